@@ -1,0 +1,56 @@
+// The schemas of every fastattn op. csrc/cpu/<op>.cpp and csrc/cuda/<op>.cu register their
+// implementations with TORCH_LIBRARY_IMPL(fastattn, CPU / CUDA, m); Python adds the fake (meta)
+// implementations and autograd (fastattn/ops). The Triton backend registers ops of the same
+// schemas under the names triton_<op> from Python, so one fake impl and one autograd formula
+// serve every compiled backend.
+//
+// Conventions shared by all schemas:
+// - statistics (mean, rstd, lse) are float32; "not needed" outputs are empty tensors (numel 0);
+// - 2-D row inputs are (rows, N) with a contiguous last dimension and any row stride;
+// - attention bands follow docs/numerics.md: key j is visible to query i iff
+//   i + offset - left <= j <= i + offset + right.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fastattn, m) {
+  // x: (M, N). With residual, h = x + residual is normalized and returned; otherwise h is empty.
+  // rms=true is RMSNorm (no centering): mean is returned empty.
+  m.def(
+      "layer_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, "
+      "bool rms) -> (Tensor y, Tensor h, Tensor mean, Tensor rstd)");
+  // h: the normalized input (x, or x + residual); dh: gradient flowing into the returned h
+  // (added to dx). output_mask = [want dweight, want dbias]; unwanted gradients come back empty.
+  m.def(
+      "layer_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean, Tensor rstd, "
+      "bool rms, bool[2] output_mask) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+  // x: (L0, L1, Lq, Lk); mask: None or a (L0, L1, Lq, Lk) broadcast view (bool True = keep, or
+  // float added); y = softmax(scale * x + mask) over the last dim, causal top-left over (Lq, Lk).
+  m.def("softmax_fwd(Tensor x, Tensor? mask, float scale, bool is_causal) -> Tensor");
+  m.def("softmax_bwd(Tensor dy, Tensor y, float scale) -> Tensor");
+  // q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); mask None or a (B, H, Lq, Lk) view.
+  m.def(
+      "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int offset, "
+      "int left, int right, float dropout_p, int seed) -> (Tensor out, Tensor lse)");
+  // dmask (float32, (B, H, Lq, Lk)) is returned when need_dmask, empty otherwise.
+  m.def(
+      "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? mask, float scale, int offset, int left, int right, float dropout_p, int seed, "
+      "bool need_dmask) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  // x: (M, D); w1: (F, D) or (2F, D) for gated activations; w2: (D2, F). Returns the output and
+  // the pre-activation x @ w1^T + b1 (kept for backward, which recomputes the activation).
+  m.def(
+      "ffn_fwd(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation) "
+      "-> (Tensor out, Tensor pre)");
+  // output_mask = [want db1, want db2].
+  m.def(
+      "ffn_bwd(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor pre, str activation, "
+      "bool[2] output_mask) -> (Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)");
+}
+
+// A Python module init so that `import fastattn._C` loads this library (and so registers the ops
+// above); the module itself exposes nothing.
+#include <Python.h>
+
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

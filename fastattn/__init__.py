@@ -1,0 +1,42 @@
+"""fastattn: fused attention, softmax, layer norm and FFN kernels for PyTorch.
+
+Each op runs on one of several interchangeable backends (``triton``, ``cuda``, ``cpu``, ``naive``);
+see :mod:`fastattn.backends` for how one is chosen.
+"""
+
+from fastattn import _extension
+from fastattn.backends import (
+    available_backends,
+    backend_status,
+    register_backend,
+    use_backend,
+)
+from fastattn.ops import (
+    add_layer_norm,
+    attention,
+    ffn,
+    layer_norm,
+    rms_norm,
+    scaled_dot_product_attention,
+    scaled_masked_softmax,
+)
+from fastattn import nn, reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "add_layer_norm",
+    "attention",
+    "available_backends",
+    "backend_status",
+    "ffn",
+    "layer_norm",
+    "nn",
+    "reference",
+    "register_backend",
+    "rms_norm",
+    "scaled_dot_product_attention",
+    "scaled_masked_softmax",
+    "use_backend",
+]

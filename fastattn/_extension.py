@@ -1,0 +1,24 @@
+"""Loads the compiled extension fastattn._C, which registers the C++/CUDA ops with torch.
+
+Importing fastattn works without it: the ``cpu`` and ``cuda`` backends then report themselves
+unavailable with the reason recorded here.
+"""
+
+try:
+    from fastattn import _C  # noqa: F401  (importing registers the ops)
+
+    _ERROR = None
+except ImportError as exc:
+    _ERROR = (
+        f"the extension fastattn._C is not built ({exc}); "
+        "build it with: pip install --no-build-isolation -e ."
+    )
+
+
+def loaded() -> bool:
+    return _ERROR is None
+
+
+def error() -> str | None:
+    """None when the extension is loaded, else why it is not."""
+    return _ERROR

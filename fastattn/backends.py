@@ -1,0 +1,189 @@
+"""Backend registry and selection.
+
+Every public op (``layer_norm``, ``scaled_dot_product_attention`` ...) is implemented by several
+interchangeable backends behind one contract:
+
+- ``triton``: the Triton kernels in ``fastattn.kernels`` (CUDA tensors; CPU tensors only under
+  ``TRITON_INTERPRET=1``, which is slow and meant for testing);
+- ``cuda``: the CUDA C++ kernels of the extension ``fastattn._C`` (CUDA tensors);
+- ``cpu``: the C++ CPU kernels of ``fastattn._C`` (CPU tensors);
+- ``naive``: eager PyTorch that materializes full intermediates (any device) — the baseline.
+
+A backend is chosen per call, in this order: the call's ``backend=`` argument, the innermost
+``fastattn.use_backend(...)`` context, the ``FASTATTN_BACKEND`` environment variable, then the best
+available backend for the inputs' device. A backend named explicitly must be available, support the
+op and the device; otherwise a ValueError says why and lists the backends that would work.
+
+Users add their own implementation with :func:`register_backend`; it is then selectable by name
+like the built-in ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+logger = logging.getLogger("fastattn")
+
+BUILTIN = ("triton", "cuda", "cpu", "naive")
+
+# Automatic choice, best first, by device type.
+_PREFERENCE = {"cuda": ("triton", "cuda", "naive"), "cpu": ("cpu", "naive")}
+
+
+@dataclass
+class Backend:
+    """A backend: which device types it runs on, why it may be unavailable, its op implementations."""
+
+    name: str
+    devices: tuple[str, ...]
+    unavailable: Callable[[], str | None] = lambda: None
+    impls: dict[str, Callable] = field(default_factory=dict)
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1), e.g. on a CPU machine."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _triton_unavailable() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and not interpreting():
+        return "no CUDA GPU (set TRITON_INTERPRET=1 to run the Triton kernels on the CPU, slowly)"
+    return None
+
+
+@functools.cache
+def _extension_unavailable() -> str | None:
+    from fastattn import _extension
+
+    return _extension.error()
+
+
+@functools.cache
+def _cuda_unavailable() -> str | None:
+    reason = _extension_unavailable()
+    if reason:
+        return reason
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("fastattn::layer_norm_fwd", "CUDA"):
+        return "fastattn._C was built without CUDA kernels (torch without CUDA, or no nvcc)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return None
+
+
+_REGISTRY: dict[str, Backend] = {
+    "triton": Backend("triton", ("cuda", "cpu"), _triton_unavailable),
+    "cuda": Backend("cuda", ("cuda",), _cuda_unavailable),
+    "cpu": Backend("cpu", ("cpu",), _extension_unavailable),
+    "naive": Backend("naive", ("cuda", "cpu", "mps", "xpu", "meta")),
+}
+
+_local = threading.local()
+_logged_fallbacks: set[tuple[str, str, str]] = set()
+
+
+def register_backend(
+    op: str, name: str, fn: Callable, *, devices: tuple[str, ...] = ("cuda", "cpu")
+) -> None:
+    """Make ``fn`` the implementation of ``op`` for backend ``name``.
+
+    ``fn`` takes the same arguments as the public op (without ``backend=``). A new backend name is
+    created on first registration, usable on ``devices``; an existing one keeps its devices.
+    """
+    backend = _REGISTRY.setdefault(name, Backend(name, tuple(devices)))
+    backend.impls[op] = fn
+
+
+def implementations(op: str) -> list[str]:
+    """Names of the backends (available here or not) that implement ``op``."""
+    return [name for name, b in _REGISTRY.items() if op in b.impls]
+
+
+def backend_status() -> dict[str, str | None]:
+    """Each backend's name mapped to None when usable here, else the reason it is not."""
+    return {name: b.unavailable() for name, b in _REGISTRY.items()}
+
+
+def available_backends() -> list[str]:
+    """Names of the backends usable on this machine."""
+    return [name for name, reason in backend_status().items() if reason is None]
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Within the block, ops without an explicit ``backend=`` use backend ``name``."""
+    _check_name(name)
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _check_name(name: str) -> Backend:
+    backend = _REGISTRY.get(name)
+    if backend is None:
+        raise ValueError(
+            f"unknown backend {name!r}; available backends: {available_backends()} "
+            f"(all known: {sorted(_REGISTRY)})"
+        )
+    return backend
+
+
+def _requested() -> tuple[str | None, str]:
+    stack = getattr(_local, "stack", None)
+    if stack:
+        return stack[-1], "fastattn.use_backend"
+    env = os.environ.get("FASTATTN_BACKEND")
+    if env:
+        return env, "FASTATTN_BACKEND"
+    return None, ""
+
+
+def select(op: str, device: torch.device, backend: str | None = None) -> tuple[str, Callable]:
+    """The backend name and implementation of ``op`` for inputs on ``device``."""
+    name, source = (backend, "backend=") if backend is not None else _requested()
+    if name is not None:
+        b = _check_name(name)
+        problem = b.unavailable()
+        if problem is None and op not in b.impls:
+            problem = f"it has no implementation of {op}"
+        if problem is None and device.type not in b.devices:
+            problem = f"it does not run on {device.type} tensors"
+        if problem:
+            usable = [n for n in available_backends() if _supports(n, op, device)]
+            raise ValueError(
+                f"backend {name!r} (from {source}) cannot run {op}: {problem}; "
+                f"backends that can: {usable}"
+            )
+        return name, b.impls[op]
+    for name in _PREFERENCE.get(device.type, ("naive",)):
+        b = _REGISTRY[name]
+        if b.unavailable() is None and op in b.impls:
+            return name, b.impls[op]
+    raise ValueError(f"no backend can run {op} on {device.type} tensors")
+
+
+def _supports(name: str, op: str, device: torch.device) -> bool:
+    b = _REGISTRY[name]
+    return op in b.impls and device.type in b.devices
+
+
+def log_fallback_once(op: str, src: str, dst: str, reason: str) -> None:
+    """Log at debug level, once per (op, from, to), that a case was handed to another backend."""
+    key = (op, src, dst)
+    if key not in _logged_fallbacks:
+        _logged_fallbacks.add(key)
+        logger.debug("fastattn: %s on backend %r runs on %r instead: %s", op, src, dst, reason)

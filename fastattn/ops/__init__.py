@@ -1,0 +1,16 @@
+"""The public functional API (one module per op family) and its registered torch ops."""
+
+from fastattn.ops.attention import attention, scaled_dot_product_attention
+from fastattn.ops.ffn import ffn
+from fastattn.ops.layer_norm import add_layer_norm, layer_norm, rms_norm
+from fastattn.ops.softmax import scaled_masked_softmax
+
+__all__ = [
+    "add_layer_norm",
+    "attention",
+    "ffn",
+    "layer_norm",
+    "rms_norm",
+    "scaled_dot_product_attention",
+    "scaled_masked_softmax",
+]

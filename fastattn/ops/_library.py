@@ -1,0 +1,57 @@
+"""Registering fastattn's ops with torch.library: one helper for each way an op is defined.
+
+Every compiled op has a schema (C++ ops: csrc/fastattn.cpp; Triton ops: the annotated Python
+function), a fake implementation (output shapes for torch.compile / meta tensors) and an autograd
+formula. The C++ op ``fastattn::<op>`` and its Triton twin ``fastattn::triton_<op>`` share the
+same schema, so one fake function and one autograd formula serve both.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fastattn import _extension
+from fastattn.backends import interpreting
+
+
+def triton_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
+    """Register the decorated launcher wrapper as the op ``fastattn::<name>``.
+
+    On a GPU this is ``torch.library.triton_op``: torch.compile traces into the Triton kernels
+    (launched through ``wrap_triton``) without a graph break. Under the Triton interpreter
+    (TRITON_INTERPRET=1, CPU tensors) kernels cannot run on fake tensors, so the op is an opaque
+    ``custom_op`` with ``fake`` as its fake implementation; behaviour in eager mode is the same.
+    """
+
+    def register(fn: Callable) -> Callable:
+        qualname = f"fastattn::{name}"
+        if interpreting():
+            op = torch.library.custom_op(qualname, fn, mutates_args=())
+            op.register_fake(fake)
+            return op
+        return torch.library.triton_op(qualname, fn, mutates_args=())
+
+    return register
+
+
+def cpp_op(name: str, fake: Callable) -> Callable | None:
+    """The C++ op ``fastattn::<name>`` with ``fake`` registered, or None without the extension."""
+    if not _extension.loaded():
+        return None
+    torch.library.register_fake(f"fastattn::{name}", fake)
+    return getattr(torch.ops.fastattn, name).default
+
+
+def cpp_backends(name: str) -> list[str]:
+    """The backends (``cpu``, ``cuda``) for which the extension has a kernel of ``fastattn::<name>``."""
+    if not _extension.loaded():
+        return []
+    keys = (("cpu", "CPU"), ("cuda", "CUDA"))
+    return [b for b, key in keys if torch._C._dispatch_has_kernel_for_dispatch_key(f"fastattn::{name}", key)]
+
+
+def empty_or_none(t: torch.Tensor) -> torch.Tensor | None:
+    """Ops return empty tensors for outputs that were not asked for; autograd wants None."""
+    return None if t.numel() == 0 else t

@@ -1,0 +1,318 @@
+"""Scaled dot-product attention: the public functions, their validation, and the backends.
+
+Backend contract (what ``backends.register_backend("attention", name, fn)`` receives)::
+
+    fn(q, k, v, mask, scale, offset, left, right, dropout_p, seed) -> (out, lse)
+
+with inputs already validated: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); mask None
+or a (B, H, Lq, Lk) broadcast *view* of the user's mask (bool True = allowed, or float added to
+the scores); the band ``(offset, left, right)`` of docs/numerics.md; ``seed`` an int. ``out`` is
+(B, H, Lq, Dv) in q's dtype, ``lse`` (B, H, Lq) float32 (not differentiable). Gradients, the
+float mask's included, flow through autograd.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fastattn import backends
+from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, triton_op
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CAUSAL = (False, True, "top_left", "bottom_right")
+
+
+# ---------------------------------------------------------------------------------------------
+# The band (causal / sliding window) and the dropout RNG, as in docs/numerics.md.
+
+
+def band(lq: int, lk: int, causal=False, window=None) -> tuple[int, int, int]:
+    """``(offset, left, right)``: query i may attend key j iff i+offset-left <= j <= i+offset+right.
+
+    Causal sets ``right = min(right, 0)``; a window ``(left, right)`` (None = unbounded) is aligned
+    bottom-right with ``causal="bottom_right"``, top-left otherwise; unbounded is ``lq + lk``.
+    """
+    unbounded = lq + lk
+    offset = lk - lq if causal == "bottom_right" else 0
+    left = right = unbounded
+    if window is not None:
+        left = unbounded if window[0] is None else int(window[0])
+        right = unbounded if window[1] is None else int(window[1])
+    if causal is not False:
+        right = min(right, 0)
+    return offset, left, right
+
+
+def _band_mask(lq, lk, offset, left, right, device) -> Tensor:
+    i = torch.arange(lq, device=device)[:, None] + offset
+    j = torch.arange(lk, device=device)[None, :]
+    return (j >= i - left) & (j <= i + right)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(x: Tensor) -> Tensor:
+    """MurmurHash3's finalizer on uint32 values held in int64 (products wrap mod 2^64, and the low
+    32 bits, all we keep, are those of the uint32 product)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, p: float, device) -> Tensor:
+    """Bool (b, h, lq, lk) keep-mask of the shared counter-based RNG (docs/numerics.md)."""
+    bh = torch.arange(b * h, device=device, dtype=torch.int64).view(b, h, 1, 1)
+    stream = _fmix32((seed + 0x9E3779B9 * bh) & _M32)
+    i = torch.arange(lq, device=device, dtype=torch.int64).view(lq, 1)
+    j = torch.arange(lk, device=device, dtype=torch.int64).view(1, lk)
+    r = _fmix32(_fmix32((i * lk + j) & _M32) ^ stream)
+    return r >= math.floor(p * 2**32)
+
+
+# ---------------------------------------------------------------------------------------------
+# naive: eager PyTorch with the full (B, H, Lq, Lk) score matrix — the baseline.
+
+
+def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    group = H // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+    allowed = _band_mask(Lq, Lk, offset, left, right, q.device)
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = allowed & mask
+    elif mask is not None:
+        s = s + mask.to(acc)
+    s = s.masked_fill(~allowed, float("-inf"))
+    # Rows with nothing to attend: softmax over zeros (finite), then zeroed, so the output and
+    # every gradient of those rows is 0 rather than NaN.
+    dead = torch.isneginf(s).all(-1, keepdim=True).detach()
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    if dropout_p > 0:
+        keep = dropout_keep_mask(seed, B, H, Lq, Lk, dropout_p, q.device)
+        p = p * keep / (1.0 - dropout_p)
+    out = (p @ v.to(acc)).to(q.dtype)
+    lse = torch.logsumexp(s.detach(), dim=-1).to(torch.float32)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled backends: one fake impl and one autograd formula for the C++ and Triton ops.
+
+
+def _fake_fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
+    B, H, Lq, _ = q.shape
+    out = q.new_empty(B, H, Lq, v.shape[-1])
+    return out, q.new_empty(B, H, Lq, dtype=torch.float32)
+
+
+def _fake_bwd(dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed, need_dmask):
+    B, H, Lq, _ = q.shape
+    dmask = q.new_empty(B, H, Lq, k.shape[2], dtype=torch.float32) if need_dmask else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, offset, left, right, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.args = (scale, offset, left, right, dropout_p, seed)
+    ctx.float_mask = mask is not None and mask.is_floating_point()
+
+
+def _autograd(fwd, bwd) -> None:
+    if fwd is None:
+        return
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        need_dmask = ctx.float_mask and ctx.needs_input_grad[3]
+        dq, dk, dv, dmask = bwd(dout, q, k, v, out, lse, mask, *ctx.args, need_dmask)
+        dmask = empty_or_none(dmask)
+        if dmask is not None:
+            dmask = dmask.to(mask.dtype)
+        return dq, dk, dv, dmask, None, None, None, None, None, None
+
+    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+
+
+_cpp_fwd = cpp_op("attention_fwd", _fake_fwd)
+_cpp_bwd = cpp_op("attention_bwd", _fake_bwd)
+_autograd(_cpp_fwd, _cpp_bwd)
+
+_triton_fwd = _triton_bwd = None
+if importlib.util.find_spec("triton") is not None:
+    from fastattn.kernels import attention as _kernels
+
+    @triton_op("triton_attention_fwd", _fake_fwd)
+    def _triton_fwd(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Optional[Tensor],
+        scale: float,
+        offset: int,
+        left: int,
+        right: int,
+        dropout_p: float,
+        seed: int,
+    ) -> tuple[Tensor, Tensor]:
+        return _kernels.attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
+
+    @triton_op("triton_attention_bwd", _fake_bwd)
+    def _triton_bwd(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        mask: Optional[Tensor],
+        scale: float,
+        offset: int,
+        left: int,
+        right: int,
+        dropout_p: float,
+        seed: int,
+        need_dmask: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        dq, dk, dv, dmask = _kernels.attention_backward(
+            dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed, need_dmask
+        )
+        return dq, dk, dv, dmask if dmask is not None else q.new_empty(0)
+
+    _autograd(_triton_fwd, _triton_bwd)
+
+
+backends.register_backend("attention", "naive", _naive)
+for _name in cpp_backends("attention_fwd"):
+    backends.register_backend("attention", _name, _cpp_fwd)
+if _triton_fwd is not None:
+    backends.register_backend("attention", "triton", _triton_fwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions.
+
+
+def _validate(q, k, v, mask, dropout_p, enable_gqa, causal, window):
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, length, dim), got shape {list(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {list(_DTYPES)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, _, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"key {list(k.shape)} and value {list(v.shape)} must share heads and length")
+    if k.shape[3] != D:
+        raise ValueError(f"query head dim {D} differs from key head dim {k.shape[3]}")
+    hkv = k.shape[1]
+    if hkv != H and not enable_gqa:
+        raise ValueError(f"query has {H} heads and key/value {hkv}: pass enable_gqa=True for grouped-query attention")
+    if H % hkv != 0:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({hkv})")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if causal not in _CAUSAL:
+        raise ValueError(f"causal must be one of {_CAUSAL}, got {causal!r}")
+    if window is not None and (len(window) != 2 or any(w is not None and w < 0 for w in window)):
+        raise ValueError(f"window must be (left, right) with non-negative ints or None, got {window!r}")
+    target = (B, H, q.shape[2], k.shape[2])
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"attn_mask must be a Tensor, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool or floating, got {mask.dtype}")
+        if mask.device != q.device:
+            raise ValueError(f"attn_mask is on {mask.device} but query is on {q.device}")
+        try:
+            if mask.dim() > 4 or torch.broadcast_shapes(mask.shape, target) != target:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(
+                f"attn_mask of shape {list(mask.shape)} is not broadcastable to (B, H, Lq, Lk) = {list(target)}"
+            ) from None
+        mask = mask.expand(target)
+    return mask
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None = None,
+    *,
+    causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Fused attention with the full set of fastattn's masks.
+
+    ``softmax(scale * q @ k^T + mask, band) @ v`` where ``mask`` is bool (True = may attend) or
+    float (added), broadcastable to (B, H, Lq, Lk) and never expanded in memory;
+    ``causal`` is False, True / "top_left" (SDPA) or "bottom_right" (KV caches: the last query
+    sees every key); ``window=(left, right)`` limits each query to keys within ``left`` before
+    and ``right`` after its diagonal. Rows with nothing to attend output 0 (gradient 0).
+    Dropout draws from a counter-based RNG seeded by ``seed`` (default: from torch's generator),
+    the same mask on every backend. With ``return_lse=True`` also returns the float32
+    log-sum-exp of each row's scores (B, H, Lq) (not differentiable; -inf for empty rows).
+    """
+    mask = _validate(query, key, value, mask, dropout_p, enable_gqa, causal, window)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    offset, left, right = band(query.shape[2], key.shape[2], causal, window)
+    if dropout_p > 0 and seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    _, impl = backends.select("attention", query.device, backend)
+    out, lse = impl(query, key, value, mask, scale, offset, left, right, float(dropout_p), int(seed or 0))
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (same arguments and
+    meaning: bool mask True = may attend, float mask added, ``is_causal`` top-left aligned).
+
+    One difference: a query row that may attend no key outputs 0 with gradient 0, where
+    PyTorch's math backend returns NaN.
+    """
+    if is_causal and attn_mask is not None:
+        raise ValueError("pass either attn_mask or is_causal=True, not both (as in PyTorch)")
+    return attention(
+        query, key, value, attn_mask, causal=bool(is_causal), scale=scale, dropout_p=dropout_p,
+        enable_gqa=enable_gqa, backend=backend,
+    )

@@ -1,0 +1,158 @@
+"""The feed-forward network ``act(x @ w1^T + b1) @ w2^T + b2``: public function and backends.
+
+Backend contract (``backends.register_backend("ffn", name, fn)``)::
+
+    fn(x, w1, b1, w2, b2, activation) -> out
+
+with x 2-D (M, D) contiguous, weights in nn.Linear layout (w1 (F, D), or (2F, D) for the gated
+activations whose first-layer output splits into [gate, up]; w2 (D2, F)), biases optional.
+Gradients flow through autograd; compiled backends keep the pre-activation and recompute the
+activation in backward.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastattn import backends
+from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, triton_op
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
+GATED = ("swiglu", "geglu")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def activate(name: str, h: Tensor) -> Tensor:
+    """The activation ``name`` applied to the first layer's output ``h`` (eager PyTorch)."""
+    if name in GATED:
+        gate, up = h.chunk(2, dim=-1)
+        return (F.silu(gate) if name == "swiglu" else F.gelu(gate)) * up
+    if name == "gelu":
+        return F.gelu(h)
+    if name == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if name == "relu":
+        return F.relu(h)
+    return F.silu(h)
+
+
+def _naive(x, w1, b1, w2, b2, activation):
+    return F.linear(activate(activation, F.linear(x, w1, b1)), w2, b2)
+
+
+def _fake_fwd(x, w1, b1, w2, b2, activation):
+    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
+
+
+def _fake_bwd(dout, x, w1, w2, pre, activation, output_mask):
+    db1 = w1.new_empty(w1.shape[0]) if output_mask[0] else w1.new_empty(0)
+    db2 = w2.new_empty(w2.shape[0]) if output_mask[1] else w2.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, b1, w2, b2, activation = inputs
+    ctx.save_for_backward(x, w1, w2, output[1])
+    ctx.activation = activation
+    ctx.has_bias = (b1 is not None, b2 is not None)
+
+
+def _autograd(fwd, bwd) -> None:
+    if fwd is None:
+        return
+
+    def backward(ctx, dout, _dpre):
+        x, w1, w2, pre = ctx.saved_tensors
+        want = [ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]]
+        dx, dw1, db1, dw2, db2 = bwd(dout, x, w1, w2, pre, ctx.activation, want)
+        return dx, dw1, empty_or_none(db1), dw2, empty_or_none(db2), None
+
+    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+
+
+_cpp_fwd = cpp_op("ffn_fwd", _fake_fwd)
+_cpp_bwd = cpp_op("ffn_bwd", _fake_bwd)
+_autograd(_cpp_fwd, _cpp_bwd)
+
+_triton_fwd = _triton_bwd = None
+if importlib.util.find_spec("triton") is not None:
+    from fastattn.kernels import ffn as _kernels
+
+    @triton_op("triton_ffn_fwd", _fake_fwd)
+    def _triton_fwd(
+        x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str
+    ) -> tuple[Tensor, Tensor]:
+        return _kernels.ffn_fwd(x, w1, b1, w2, b2, activation)
+
+    @triton_op("triton_ffn_bwd", _fake_bwd)
+    def _triton_bwd(
+        dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, activation: str, output_mask: list[bool]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _kernels.ffn_bwd(dout, x, w1, w2, pre, activation, output_mask)
+
+    _autograd(_triton_fwd, _triton_bwd)
+
+
+def _compiled(fwd):
+    def impl(x, w1, b1, w2, b2, activation):
+        return fwd(x, w1, b1, w2, b2, activation)[0]
+
+    return impl
+
+
+backends.register_backend("ffn", "naive", _naive)
+for _name in cpp_backends("ffn_fwd"):
+    backends.register_backend("ffn", _name, _compiled(_cpp_fwd))
+if _triton_fwd is not None:
+    backends.register_backend("ffn", "triton", _compiled(_triton_fwd))
+
+
+def ffn(
+    x: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    activation: str = "gelu",
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """``act(x @ w1^T + b1) @ w2^T + b2`` with the bias and activation fused into the matmuls.
+
+    Weights in nn.Linear layout: ``w1`` (F, D) — (2F, D) for ``swiglu``/``geglu``, whose first
+    output half is the gate and second half the up projection — and ``w2`` (D2, F). Activations:
+    ``gelu`` (exact), ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``, ``geglu``. Any leading shape.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose from {list(ACTIVATIONS)}")
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
+        if t is None and name in ("b1", "b2"):
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES or t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; all tensors must share one of {list(_DTYPES)}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if x.dim() < 1 or w1.dim() != 2 or w2.dim() != 2:
+        raise ValueError(f"expected x (..., D), w1 2-D, w2 2-D; got {list(x.shape)}, {list(w1.shape)}, {list(w2.shape)}")
+    d = x.shape[-1]
+    hidden = w1.shape[0] // 2 if activation in GATED else w1.shape[0]
+    if w1.shape[1] != d:
+        raise ValueError(f"w1 has shape {list(w1.shape)}: its second dim must be x's last dim {d}")
+    if activation in GATED and w1.shape[0] % 2:
+        raise ValueError(f"{activation} needs w1 with an even number of rows (gate and up halves), got {w1.shape[0]}")
+    if w2.shape[1] != hidden:
+        raise ValueError(f"w2 has shape {list(w2.shape)}: its second dim must be the hidden size {hidden}")
+    if b1 is not None and tuple(b1.shape) != (w1.shape[0],):
+        raise ValueError(f"b1 has shape {list(b1.shape)}, expected [{w1.shape[0]}]")
+    if b2 is not None and tuple(b2.shape) != (w2.shape[0],):
+        raise ValueError(f"b2 has shape {list(b2.shape)}, expected [{w2.shape[0]}]")
+    _, impl = backends.select("ffn", x.device, backend)
+    out = impl(x.reshape(-1, d).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2, activation)
+    return out.view(*x.shape[:-1], w2.shape[0])

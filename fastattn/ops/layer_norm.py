@@ -1,0 +1,242 @@
+"""LayerNorm and RMSNorm, optionally fused with a residual add: public functions and backends.
+
+The flow, the pattern every op follows:
+kernel (kernels/layer_norm.py, csrc/*/layer_norm.*) → registered op ``fastattn::layer_norm_fwd``
+(C++) or ``fastattn::triton_layer_norm_fwd`` (Triton), with one fake impl and one autograd formula
+for both → backend implementation ``(x, residual, normalized_shape, weight, bias, eps, rms) ->
+(y, h)`` → public functions below → ``fastattn.nn.LayerNorm``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from fastattn import backends
+from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, triton_op
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake implementations and autograd, shared by the C++ and Triton ops (same schema).
+
+
+def _fake_fwd(x, residual, weight, bias, eps, rms):
+    rows = x.shape[0]
+    h = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    mean = x.new_empty(0 if rms else rows, dtype=torch.float32)
+    rstd = x.new_empty(rows, dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), h, mean, rstd
+
+
+def _fake_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask):
+    dw = weight.new_empty(weight.shape) if weight is not None and output_mask[0] else h.new_empty(0)
+    db = weight.new_empty(weight.shape) if weight is not None and output_mask[1] else h.new_empty(0)
+    return torch.empty_like(h, memory_format=torch.contiguous_format), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, _eps, rms = inputs
+    _y, h, mean, rstd = output
+    ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+    ctx.rms = rms
+    ctx.has_residual = residual is not None
+    ctx.has_bias = bias is not None
+
+
+def _autograd(fwd, bwd) -> None:
+    if fwd is None:
+        return
+
+    def backward(ctx, dy, dh, _dmean, _drstd):
+        h, weight, mean, rstd = ctx.saved_tensors
+        want = [weight is not None and ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3]]
+        dx, dw, db = bwd(dy, dh if ctx.has_residual else None, h, weight, mean, rstd, ctx.rms, want)
+        return dx, dx if ctx.has_residual else None, empty_or_none(dw), empty_or_none(db), None, None
+
+    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled backends: the C++ ops (cpu and cuda backends) and the Triton ops.
+
+_cpp_fwd = cpp_op("layer_norm_fwd", _fake_fwd)
+_cpp_bwd = cpp_op("layer_norm_bwd", _fake_bwd)
+_autograd(_cpp_fwd, _cpp_bwd)
+
+_triton_fwd = _triton_bwd = None
+if importlib.util.find_spec("triton") is not None:
+    from fastattn.kernels import layer_norm as _kernels
+
+    @triton_op("triton_layer_norm_fwd", _fake_fwd)
+    def _triton_fwd(
+        x: Tensor,
+        residual: Optional[Tensor],
+        weight: Optional[Tensor],
+        bias: Optional[Tensor],
+        eps: float,
+        rms: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _kernels.layer_norm_fwd(x, residual, weight, bias, eps, rms)
+
+    @triton_op("triton_layer_norm_bwd", _fake_bwd)
+    def _triton_bwd(
+        dy: Tensor,
+        dh: Optional[Tensor],
+        h: Tensor,
+        weight: Optional[Tensor],
+        mean: Tensor,
+        rstd: Tensor,
+        rms: bool,
+        output_mask: list[bool],
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return _kernels.layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask)
+
+    _autograd(_triton_fwd, _triton_bwd)
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as (rows, n) with a contiguous last dimension (a view whenever possible)."""
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 or n == 1 else t.contiguous()
+
+
+def _compiled(fwd):
+    def impl(x, residual, normalized_shape, weight, bias, eps, rms):
+        n = math.prod(normalized_shape)
+        y, h, _mean, _rstd = fwd(
+            _rows(x, n),
+            None if residual is None else _rows(residual, n),
+            None if weight is None else weight.reshape(n),
+            None if bias is None else bias.reshape(n),
+            eps,
+            rms,
+        )
+        return y.view(x.shape), (h.view(x.shape) if residual is not None else None)
+
+    return impl
+
+
+def _naive(x, residual, normalized_shape, weight, bias, eps, rms):
+    """Eager PyTorch: every intermediate materialized, statistics in float32 (float64 for float64)."""
+    h = x + residual if residual is not None else x
+    dims = tuple(range(-len(normalized_shape), 0))
+    hf = h.to(torch.promote_types(h.dtype, torch.float32))
+    if rms:
+        y = hf * torch.rsqrt(hf.square().mean(dims, keepdim=True) + eps)
+    else:
+        centered = hf - hf.mean(dims, keepdim=True)
+        y = centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype), (h if residual is not None else None)
+
+
+backends.register_backend("layer_norm", "naive", _naive)
+for _name in cpp_backends("layer_norm_fwd"):
+    backends.register_backend("layer_norm", _name, _compiled(_cpp_fwd))
+if _triton_fwd is not None:
+    backends.register_backend("layer_norm", "triton", _compiled(_triton_fwd))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions.
+
+
+def _check(x, residual, normalized_shape, weight, bias) -> tuple[int, ...]:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"input must be a Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"input has dtype {x.dtype}; supported: {list(_DTYPES)}")
+    if isinstance(normalized_shape, numbers.Integral):
+        normalized_shape = (int(normalized_shape),)
+    shape = tuple(int(s) for s in normalized_shape)
+    if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
+        raise ValueError(
+            f"normalized_shape {list(shape)} must be a non-empty suffix of the input's shape "
+            f"{list(x.shape)}"
+        )
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        want = x.shape if name == "residual" else shape
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"{name} has shape {list(t.shape)}, expected {list(want)}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but the input is on {x.device}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} has dtype {t.dtype}; it must be a floating dtype")
+    if residual is not None and residual.dtype != x.dtype:
+        raise TypeError(f"residual has dtype {residual.dtype}, the input {x.dtype}: they must match")
+    return shape
+
+
+def _run(x, residual, normalized_shape, weight, bias, eps, rms, backend):
+    shape = _check(x, residual, normalized_shape, weight, bias)
+    _, impl = backends.select("layer_norm", x.device, backend)
+    return impl(x, residual, shape, weight, bias, float(eps), rms)
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """Layer normalization over the last ``len(normalized_shape)`` dims.
+
+    Same contract as :func:`torch.nn.functional.layer_norm`: ``y = (x - mean) / sqrt(var + eps)
+    * weight + bias`` with the biased variance; statistics in float32 whatever the input dtype.
+    """
+    return _run(input, None, normalized_shape, weight, bias, eps, False, backend)[0]
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """RMS normalization, as :func:`torch.nn.functional.rms_norm`: ``x / sqrt(mean(x²) + eps) * weight``.
+
+    ``eps=None`` means ``torch.finfo(input.dtype).eps``, like PyTorch.
+    """
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    return _run(input, None, normalized_shape, weight, None, eps, True, backend)[0]
+
+
+def add_layer_norm(
+    input: Tensor,
+    residual: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    rms: bool = False,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The pre-norm residual step in one pass: ``h = input + residual``; returns ``(norm(h), h)``.
+
+    ``norm`` is LayerNorm, or RMSNorm with ``rms=True`` (then ``bias`` must be None and ``eps``
+    is used as given). ``h`` is in the input's dtype and feeds the next residual add; gradients
+    flowing into it are added to those of ``input`` and ``residual``.
+    """
+    if residual is None:
+        raise ValueError("residual must be a Tensor; use layer_norm or rms_norm without one")
+    if rms and bias is not None:
+        raise ValueError("bias must be None with rms=True (RMSNorm has no bias)")
+    return _run(input, residual, normalized_shape, weight, bias, eps, rms, backend)

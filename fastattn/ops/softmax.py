@@ -1,0 +1,139 @@
+"""Scaled masked softmax ``softmax(scale * x + mask)`` over the last dim: public function, backends.
+
+Backend contract (``backends.register_backend("softmax", name, fn)``)::
+
+    fn(x, mask, scale, is_causal) -> y
+
+with x 4-D (L0, L1, Lq, Lk) with a contiguous last dim, mask None or a (L0, L1, Lq, Lk)
+broadcast view (bool True = keep, or float added after scaling), causal top-left over (Lq, Lk);
+fully masked rows give 0. Gradients flow through autograd.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fastattn import backends
+from fastattn.ops._library import cpp_backends, cpp_op, triton_op
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _naive(x, mask, scale, is_causal):
+    s = x.to(torch.promote_types(x.dtype, torch.float32)) * scale
+    if mask is not None and mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        s = s + mask
+    if is_causal:
+        lq, lk = x.shape[-2:]
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+    dead = torch.isneginf(s).all(-1, keepdim=True).detach()
+    return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0).to(x.dtype)
+
+
+def _fake_fwd(x, mask, scale, is_causal):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_bwd(dy, y, scale):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[2]
+    ctx.float_mask = inputs[1] is not None and inputs[1].is_floating_point()
+
+
+def _autograd(fwd, bwd) -> None:
+    if fwd is None:
+        return
+
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        dx = bwd(dy, y, ctx.scale)
+        # The mask enters unscaled: its gradient is the same formula with scale 1.
+        dmask = bwd(dy, y, 1.0) if ctx.float_mask and ctx.needs_input_grad[1] else None
+        return dx, dmask, None, None
+
+    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+
+
+_cpp_fwd = cpp_op("softmax_fwd", _fake_fwd)
+_cpp_bwd = cpp_op("softmax_bwd", _fake_bwd)
+_autograd(_cpp_fwd, _cpp_bwd)
+
+_triton_fwd = _triton_bwd = None
+if importlib.util.find_spec("triton") is not None:
+    from fastattn.kernels import softmax as _kernels
+
+    @triton_op("triton_softmax_fwd", _fake_fwd)
+    def _triton_fwd(x: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool) -> Tensor:
+        return _kernels.softmax_fwd(x, mask, scale, is_causal)
+
+    @triton_op("triton_softmax_bwd", _fake_bwd)
+    def _triton_bwd(dy: Tensor, y: Tensor, scale: float) -> Tensor:
+        return _kernels.softmax_bwd(dy, y, scale)
+
+    _autograd(_triton_fwd, _triton_bwd)
+
+backends.register_backend("softmax", "naive", _naive)
+for _name in cpp_backends("softmax_fwd"):
+    backends.register_backend("softmax", _name, _cpp_fwd)
+if _triton_fwd is not None:
+    backends.register_backend("softmax", "triton", _triton_fwd)
+
+
+def _as_4d(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t`` (already of ``shape``) viewed as (L0, L1, Lq, Lk); a view whenever strides allow."""
+    lead = shape[:-3] if len(shape) > 3 else ()
+    full = (math.prod(lead), *([1] * (3 - len(shape))), *shape[-min(3, len(shape)):])
+    return t.reshape(full)
+
+
+def scaled_masked_softmax(
+    x: Tensor,
+    mask: Tensor | None = None,
+    scale: float = 1.0,
+    is_causal: bool = False,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """``softmax(scale * x + mask)`` over the last dim, fused in one kernel.
+
+    ``mask`` is bool (True = keep) or float (added after scaling), broadcastable to ``x``;
+    ``is_causal`` masks key ``j > i`` for query row ``i`` of the last two dims (top-left, Lq may
+    differ from Lk). Any leading shape and row length; rows with nothing kept are all zeros with
+    zero gradient. Statistics in float32.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; supported: {list(_DTYPES)}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension")
+    if is_causal and x.dim() < 2:
+        raise ValueError(f"is_causal needs x with at least 2 dims (..., Lq, Lk), got shape {list(x.shape)}")
+    shape = tuple(x.shape)
+    if mask is not None:
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(f"mask must be bool or floating, got {mask.dtype}")
+        if mask.device != x.device:
+            raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
+        try:
+            if torch.broadcast_shapes(mask.shape, shape) != shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"mask of shape {list(mask.shape)} is not broadcastable to x's shape {list(shape)}") from None
+        mask = _as_4d(mask.expand(shape), shape)
+    x4 = _as_4d(x, shape)
+    if x4.stride(-1) != 1:
+        x4 = x4.contiguous()
+    _, impl = backends.select("softmax", x.device, backend)
+    return impl(x4, mask, float(scale), bool(is_causal)).view(shape)

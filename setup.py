@@ -1,0 +1,61 @@
+"""Builds the torch extension fastattn._C from csrc/ and ships kernels/ as fastattn.kernels.
+
+The extension is a CUDAExtension (CPU + CUDA kernels) when torch was built with CUDA and nvcc is
+found, otherwise a CppExtension with the CPU kernels only. FASTATTN_NO_EXTENSION=1 skips it (the
+package then runs its triton and naive backends only); FASTATTN_NO_CUDA=1 forces the CPU build.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+
+def _cuda_wanted() -> bool:
+    return (
+        torch.version.cuda is not None
+        and CUDA_HOME is not None
+        and os.environ.get("FASTATTN_NO_CUDA") != "1"
+    )
+
+
+def extensions():
+    if os.environ.get("FASTATTN_NO_EXTENSION") == "1":
+        return []
+    sources = ["csrc/fastattn.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    include_dirs = [os.path.abspath("csrc/include")]
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    if not _cuda_wanted():
+        return [
+            CppExtension(
+                "fastattn._C",
+                sources,
+                include_dirs=include_dirs,
+                extra_compile_args={"cxx": cxx},
+                extra_link_args=["-fopenmp"],
+            )
+        ]
+    # sm_80 (A100) and sm_90a (H100/H200, wgmma) unless the user chose architectures.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    return [
+        CUDAExtension(
+            "fastattn._C",
+            sources + sorted(glob.glob("csrc/cuda/*.cu")),
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+
+
+setup(
+    packages=[*find_packages(include=["fastattn", "fastattn.*"]), "fastattn.kernels"],
+    package_dir={"fastattn.kernels": "kernels"},
+    package_data={"fastattn": ["data/*"]},
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,50 @@
+"""Shared test setup: the Triton interpreter on CPU-only machines, poisoned outputs, backends."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton is imported (by fastattn) for the kernels to run on CPU tensors.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import fastattn  # noqa: E402
+from fastattn import backends  # noqa: E402
+from fastattn.testing import poisoned_outputs  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    """Every uninitialized allocation is NaN-filled, so unwritten outputs are caught."""
+    with poisoned_outputs():
+        yield
+
+
+def backend_params(op):
+    """pytest params (backend, device) for every built-in backend, skipped where it cannot run."""
+    status = fastattn.backend_status()
+    params = []
+    for name in backends.BUILTIN:
+        device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda")}.get(name, DEVICE)
+        reason = status[name]
+        if reason is None and name not in backends.implementations(op):
+            reason = f"{name} has no {op}"
+        if reason is None and device.type == "cuda" and not GPU:
+            reason = "needs a CUDA GPU"
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        params.append(pytest.param(name, device, id=name, marks=marks))
+    return params

@@ -1,0 +1,101 @@
+"""Backend registry and selection: the order of choice, clear errors, user backends."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastattn
+from fastattn import backends
+
+
+def test_naive_is_always_available_and_status_explains_the_rest():
+    status = fastattn.backend_status()
+    assert set(backends.BUILTIN) <= set(status)
+    assert status["naive"] is None
+    assert "naive" in fastattn.available_backends()
+    for name, reason in status.items():
+        assert (reason is None) == (name in fastattn.available_backends())
+        assert reason is None or isinstance(reason, str) and reason
+
+
+def test_triton_counts_on_cpu_only_under_the_interpreter():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    code = "import fastattn; print('triton' in fastattn.available_backends())"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def test_unknown_backend_is_a_clear_error():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="unknown backend 'nope'.*available backends"):
+        fastattn.layer_norm(x, (4,), backend="nope")
+    with pytest.raises(ValueError, match="unknown backend"):
+        with fastattn.use_backend("nope"):
+            pass
+
+
+def test_backend_that_cannot_run_the_device_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="backend 'cuda'.*cannot run layer_norm.*backends that can"):
+        fastattn.layer_norm(torch.randn(2, 4), (4,), backend="cuda")
+
+
+def _spy(monkeypatch):
+    calls = []
+
+    def impl(x, residual, normalized_shape, weight, bias, eps, rms):
+        calls.append("spy")
+        return torch.zeros_like(x), None
+
+    monkeypatch.setitem(backends._REGISTRY, "spy", backends.Backend("spy", ("cpu",)))
+    fastattn.register_backend("layer_norm", "spy", impl)
+    return calls
+
+
+def test_choice_order_argument_then_context_then_environment(monkeypatch):
+    calls = _spy(monkeypatch)
+    x = torch.randn(2, 4)
+    monkeypatch.setenv("FASTATTN_BACKEND", "spy")
+    fastattn.layer_norm(x, (4,))
+    assert calls == ["spy"]
+    with fastattn.use_backend("naive"):
+        y = fastattn.layer_norm(x, (4,))  # the context beats the environment
+        assert calls == ["spy"] and y.abs().sum() > 0
+        fastattn.layer_norm(x, (4,), backend="spy")  # the argument beats the context
+        assert calls == ["spy", "spy"]
+    monkeypatch.delenv("FASTATTN_BACKEND")
+    name, _ = backends.select("layer_norm", x.device)
+    assert name == ("cpu" if "cpu" in fastattn.available_backends() else "naive")
+
+
+def test_kernels_are_not_importable_as_top_level_package():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", "import kernels"], cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "must be imported as fastattn.kernels" in out.stderr
+
+
+def test_import_works_without_the_extension():
+    code = (
+        "import sys; sys.modules['fastattn._C'] = None\n"
+        "import torch, fastattn\n"
+        "s = fastattn.backend_status()\n"
+        "assert 'not built' in s['cpu'] and 'not built' in s['cuda'], s\n"
+        "assert 'cpu' not in fastattn.available_backends()\n"
+        "x = torch.randn(3, 8)\n"
+        "assert torch.allclose(fastattn.layer_norm(x, (8,)), torch.nn.functional.layer_norm(x, (8,)), atol=1e-5)\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
