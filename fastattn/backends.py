@@ -39,6 +39,10 @@ BUILTIN = ("triton", "cuda", "cpu", "naive")
 _PREFERENCE = {"cuda": ("triton", "cuda", "naive"), "cpu": ("cpu", "naive")}
 
 
+_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ALL_DTYPES = (*_GPU_DTYPES, torch.float64)
+
+
 @dataclass
 class Backend:
     """A backend: which device types it runs on, why it may be unavailable, its op implementations."""
@@ -47,6 +51,7 @@ class Backend:
     devices: tuple[str, ...]
     unavailable: Callable[[], str | None] = lambda: None
     impls: dict[str, Callable] = field(default_factory=dict)
+    dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
 
 
 def interpreting() -> bool:
@@ -83,8 +88,8 @@ def _cuda_unavailable() -> str | None:
 
 
 _REGISTRY: dict[str, Backend] = {
-    "triton": Backend("triton", ("cuda", "cpu"), _triton_unavailable),
-    "cuda": Backend("cuda", ("cuda",), _cuda_unavailable),
+    "triton": Backend("triton", ("cuda", "cpu"), _triton_unavailable, dtypes=_GPU_DTYPES),
+    "cuda": Backend("cuda", ("cuda",), _cuda_unavailable, dtypes=_GPU_DTYPES),
     "cpu": Backend("cpu", ("cpu",), _extension_unavailable),
     "naive": Backend("naive", ("cuda", "cpu", "mps", "xpu", "meta")),
 }
@@ -152,8 +157,14 @@ def _requested() -> tuple[str | None, str]:
     return None, ""
 
 
-def select(op: str, device: torch.device, backend: str | None = None) -> tuple[str, Callable]:
-    """The backend name and implementation of ``op`` for inputs on ``device``."""
+def select(
+    op: str, device: torch.device, backend: str | None = None, dtype: torch.dtype | None = None
+) -> tuple[str, Callable]:
+    """The backend name and implementation of ``op`` for inputs on ``device`` of ``dtype``.
+
+    The automatic choice passes over backends that do not take ``dtype`` (float64 on the GPU
+    backends goes to ``naive``), logging that once at debug level.
+    """
     name, source = (backend, "backend=") if backend is not None else _requested()
     if name is not None:
         b = _check_name(name)
@@ -162,6 +173,8 @@ def select(op: str, device: torch.device, backend: str | None = None) -> tuple[s
             problem = f"it has no implementation of {op}"
         if problem is None and device.type not in b.devices:
             problem = f"it does not run on {device.type} tensors"
+        if problem is None and dtype is not None and dtype not in b.dtypes:
+            problem = f"it does not take {dtype}"
         if problem:
             usable = [n for n in available_backends() if _supports(n, op, device)]
             raise ValueError(
@@ -169,10 +182,15 @@ def select(op: str, device: torch.device, backend: str | None = None) -> tuple[s
                 f"backends that can: {usable}"
             )
         return name, b.impls[op]
+    best = None
     for name in _PREFERENCE.get(device.type, ("naive",)):
         b = _REGISTRY[name]
         if b.unavailable() is None and op in b.impls:
-            return name, b.impls[op]
+            best = best or name
+            if dtype is None or dtype in b.dtypes:
+                if name != best:
+                    log_fallback_once(op, best, name, f"{best} does not take {dtype}")
+                return name, b.impls[op]
     raise ValueError(f"no backend can run {op} on {device.type} tensors")
 
 

@@ -52,6 +52,12 @@ def cpp_backends(name: str) -> list[str]:
     return [b for b, key in keys if torch._C._dispatch_has_kernel_for_dispatch_key(f"fastattn::{name}", key)]
 
 
+def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with stride 1 in its last dim, as kernels require. Autograd may hand backward a
+    broadcast gradient (e.g. of ``y.sum()``, strides all 0); that one is materialized here."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def empty_or_none(t: torch.Tensor) -> torch.Tensor | None:
     """Ops return empty tensors for outputs that were not asked for; autograd wants None."""
     return None if t.numel() == 0 else t

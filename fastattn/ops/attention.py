@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, triton_op
+from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, last_dim_contiguous, triton_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CAUSAL = (False, True, "top_left", "bottom_right")
@@ -138,7 +138,7 @@ def _autograd(fwd, bwd) -> None:
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, mask = ctx.saved_tensors
         need_dmask = ctx.float_mask and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask = bwd(dout, q, k, v, out, lse, mask, *ctx.args, need_dmask)
+        dq, dk, dv, dmask = bwd(last_dim_contiguous(dout), q, k, v, out, lse, mask, *ctx.args, need_dmask)
         dmask = empty_or_none(dmask)
         if dmask is not None:
             dmask = dmask.to(mask.dtype)
@@ -286,8 +286,8 @@ def attention(
     offset, left, right = band(query.shape[2], key.shape[2], causal, window)
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    _, impl = backends.select("attention", query.device, backend)
+    query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
+    _, impl = backends.select("attention", query.device, backend, query.dtype)
     out, lse = impl(query, key, value, mask, scale, offset, left, right, float(dropout_p), int(seed or 0))
     return (out, lse) if return_lse else out
 

@@ -69,7 +69,7 @@ def _autograd(fwd, bwd) -> None:
     def backward(ctx, dout, _dpre):
         x, w1, w2, pre = ctx.saved_tensors
         want = [ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]]
-        dx, dw1, db1, dw2, db2 = bwd(dout, x, w1, w2, pre, ctx.activation, want)
+        dx, dw1, db1, dw2, db2 = bwd(dout.contiguous(), x, w1, w2, pre, ctx.activation, want)
         return dx, dw1, empty_or_none(db1), dw2, empty_or_none(db2), None
 
     torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
@@ -153,6 +153,6 @@ def ffn(
         raise ValueError(f"b1 has shape {list(b1.shape)}, expected [{w1.shape[0]}]")
     if b2 is not None and tuple(b2.shape) != (w2.shape[0],):
         raise ValueError(f"b2 has shape {list(b2.shape)}, expected [{w2.shape[0]}]")
-    _, impl = backends.select("ffn", x.device, backend)
+    _, impl = backends.select("ffn", x.device, backend, x.dtype)
     out = impl(x.reshape(-1, d).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2, activation)
     return out.view(*x.shape[:-1], w2.shape[0])

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, triton_op
+from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, last_dim_contiguous, triton_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -37,7 +37,8 @@ def _fake_fwd(x, residual, weight, bias, eps, rms):
 
 def _fake_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask):
     dw = weight.new_empty(weight.shape) if weight is not None and output_mask[0] else h.new_empty(0)
-    db = weight.new_empty(weight.shape) if weight is not None and output_mask[1] else h.new_empty(0)
+    want_db = weight is not None and output_mask[1] and not rms
+    db = weight.new_empty(weight.shape) if want_db else h.new_empty(0)
     return torch.empty_like(h, memory_format=torch.contiguous_format), dw, db
 
 
@@ -57,7 +58,8 @@ def _autograd(fwd, bwd) -> None:
     def backward(ctx, dy, dh, _dmean, _drstd):
         h, weight, mean, rstd = ctx.saved_tensors
         want = [weight is not None and ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3]]
-        dx, dw, db = bwd(dy, dh if ctx.has_residual else None, h, weight, mean, rstd, ctx.rms, want)
+        dh = last_dim_contiguous(dh) if ctx.has_residual else None
+        dx, dw, db = bwd(last_dim_contiguous(dy), dh, h, weight, mean, rstd, ctx.rms, want)
         return dx, dx if ctx.has_residual else None, empty_or_none(dw), empty_or_none(db), None, None
 
     torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
@@ -181,7 +183,7 @@ def _check(x, residual, normalized_shape, weight, bias) -> tuple[int, ...]:
 
 def _run(x, residual, normalized_shape, weight, bias, eps, rms, backend):
     shape = _check(x, residual, normalized_shape, weight, bias)
-    _, impl = backends.select("layer_norm", x.device, backend)
+    _, impl = backends.select("layer_norm", x.device, backend, x.dtype)
     return impl(x, residual, shape, weight, bias, float(eps), rms)
 
 

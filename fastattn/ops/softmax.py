@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, triton_op
+from fastattn.ops._library import cpp_backends, cpp_op, last_dim_contiguous, triton_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -57,6 +57,7 @@ def _autograd(fwd, bwd) -> None:
 
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        dy = last_dim_contiguous(dy)
         dx = bwd(dy, y, ctx.scale)
         # The mask enters unscaled: its gradient is the same formula with scale 1.
         dmask = bwd(dy, y, 1.0) if ctx.float_mask and ctx.needs_input_grad[1] else None
@@ -135,5 +136,5 @@ def scaled_masked_softmax(
     x4 = _as_4d(x, shape)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
-    _, impl = backends.select("softmax", x.device, backend)
+    _, impl = backends.select("softmax", x.device, backend, x.dtype)
     return impl(x4, mask, float(scale), bool(is_causal)).view(shape)
