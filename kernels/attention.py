@@ -1,0 +1,790 @@
+"""Fused scaled dot-product attention (forward and backward) in Triton.
+
+Math (per batch ``b`` and query head ``h``; kv head ``h // (H // Hkv)``)::
+
+    S   = scale * Q K^T + M          M: float mask, or 0 / -inf from a bool mask, and -inf
+                                     outside the band  i + offset - left <= j <= i + offset + right
+    lse = log sum_j exp(S_ij)        -inf for a row with nothing to attend
+    P   = exp(S - lse)               0 for such a row
+    O   = (P * Z) V                  Z = keep / (1 - p), keep from rng.dropout_keep (all ones if p = 0)
+
+    delta = rowsum(dO * O)
+    dV    = (P * Z)^T dO
+    dS    = P * (Z * (dO V^T) - delta)          (also the gradient of a float mask)
+    dQ    = scale * dS K,     dK = scale * dS^T Q
+
+Work split (all grids are 1-D, query/key blocks fastest so programs of one head run together):
+
+* forward: one program per (BLOCK_M query rows, b, h). It streams over the BLOCK_N key tiles
+  that intersect the band with an online softmax (running max and sum, exp2 with log2(e)
+  folded into the scale) and writes O and lse;
+* backward, three kernels and no atomics, so the result is deterministic:
+  - preprocess: delta = rowsum(dO * O), one program per (BLOCK_M rows, b, h);
+  - dK/dV: one program per (BLOCK_N keys, b, kv head); it loops over the query heads of its GQA
+    group and, for each, over the query tiles inside the band, so dK and dV are reduced over the
+    group in registers;
+  - dQ: one program per (BLOCK_M rows, b, h), looping over the key tiles inside the band; it
+    also writes dS (the float-mask gradient) when asked, zeros outside the band included.
+
+Tile loops are split into [edge, interior, edge] ranges: tiles fully outside the band are never
+visited, and tiles fully inside it (no padding keys, nor padding queries where they matter) run
+without band or bounds arithmetic. A mask tensor, when given, is read through its four strides
+(stride 0 on broadcast dimensions) in every tile.
+
+Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
+IEEE-exact dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
+float32 (natural log). Fully masked rows give O = 0, lse = -inf and zero gradients, never NaN.
+
+Limits: q/k/v in float16, bfloat16 or float32 with a unit stride on the last dimension (copied
+otherwise); head dims up to 256 (padded to a power of two >= 16 with masked loads); offsets
+within one (batch, head) slice must fit in int32. No Hopper TMA (tensor-descriptor) path: the
+pointer-based kernels run on every GPU that Triton supports.
+"""
+
+import math
+import operator
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .rng import dropout_keep
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+# Triton's CPU interpreter multiplies the raw uint16 bits of bfloat16 dot operands
+# (triton-lang/triton#11584), so under it those operands are widened to float32 first (exact).
+_WIDEN_BF16_DOTS = tl.constexpr(_INTERPRET)
+
+
+def _configs(gpu_shapes, interpret_shape):
+    """Autotuning configs: one small fixed config under the interpreter, else ``gpu_shapes``
+    as ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``."""
+    if _INTERPRET:
+        gpu_shapes = [interpret_shape]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in gpu_shapes
+    ]
+
+
+_FWD_CONFIGS = _configs(
+    [
+        (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
+        (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3),
+        (16, 128, 4, 3), (32, 32, 4, 1), (16, 32, 4, 1),
+    ],
+    (16, 16, 4, 1),
+)
+_DKDV_CONFIGS = _configs(
+    [
+        (32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3),
+        (32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1),
+    ],
+    (16, 16, 4, 1),
+)
+_DQ_CONFIGS = _configs(
+    [
+        (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 3),
+        (16, 64, 4, 3), (16, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1),
+    ],
+    (16, 16, 4, 1),
+)
+_PRE_BLOCK_M = 16 if _INTERPRET else 64
+
+_BAND_KEYS = ["HEAD_DIM", "HEAD_DIM_V", "HAS_MASK", "LO_BOUNDED", "HI_BOUNDED", "HAS_DROPOUT"]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop query tiles much taller than Lq (decoding); for head dims > 128 keep only tiles of at
+    most 64 x 64, else drop the single-stage fallbacks meant for them. Never returns nothing."""
+    args = {**named_args, **kwargs}
+    rows = max(16, triton.next_power_of_2(int(args["Lq"])))
+    wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
+    kept = [
+        c for c in configs
+        if c.kwargs["BLOCK_M"] <= rows
+        and (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 if wide else c.num_stages > 1)
+    ]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_rows(base, offs_r, stride_r, offs_d, n_rows, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """Load the [len(offs_r), BLOCK_D] tile ``base[r * stride_r + d]``, zero-filled for
+    ``d >= DIM`` and (when CHECK_ROWS) for ``r >= n_rows``."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+    if CHECK_ROWS:
+        if DIM == BLOCK_D:
+            tile = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < DIM), other=0.0)
+    else:
+        if DIM == BLOCK_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` with float32 accumulation."""
+    if _WIDEN_BF16_DOTS:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _load_vec(ptr, offs, n, CHECK: tl.constexpr):
+    """Load ``ptr[offs]``, zero-filled for ``offs >= n`` when CHECK."""
+    if CHECK:
+        vec = tl.load(ptr + offs, mask=offs < n, other=0.0)
+    else:
+        vec = tl.load(ptr + offs)
+    return vec
+
+
+@triton.jit
+def _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
+            band_lo, band_hi, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+            LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, EDGE: tl.constexpr,
+            CHECK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Masked scores of one [BLOCK_M, BLOCK_N] tile in log2 units: log2(e) * S, -inf where
+    attention is not allowed. Band and bounds are only applied to EDGE tiles."""
+    s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
+    if HAS_MASK:
+        in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+        mask_ptrs = mask_base + offs_m[:, None] * stride_mask_m + offs_n[None, :] * stride_mask_n
+        mask = tl.load(mask_ptrs, mask=in_bounds, other=0)
+        if MASK_BOOL:
+            s = tl.where(mask != 0, s, float("-inf"))
+        else:
+            s = s + mask.to(tl.float32) * _LOG2E
+    if EDGE:
+        allowed = offs_n[None, :] < Lk
+        if CHECK_ROWS:
+            allowed = allowed & (offs_m[:, None] < Lq)
+        if LO_BOUNDED:
+            allowed = allowed & (offs_n[None, :] >= offs_m[:, None] + band_lo)
+        if HI_BOUNDED:
+            allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + band_hi)
+        s = tl.where(allowed, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _interior_tiles(base, num, first, last, BLOCK: tl.constexpr):
+    """Of the ``num`` tiles starting at ``base + t * BLOCK``, those with ``first <= start <= last``
+    are ``t`` in ``[t1, t2)`` (a contiguous range, empty when t1 == t2)."""
+    t_first = tl.cdiv(tl.maximum(first - base, 0), BLOCK)
+    t_last = tl.where(last >= base, (last - base) // BLOCK + 1, 0)
+    t1 = tl.minimum(t_first, num)
+    t2 = tl.maximum(t1, tl.minimum(t_last, num))
+    return t1, t2
+
+
+@triton.jit
+def _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles of the query block starting at m0 that intersect the band: the tiles start at
+    ``n_base + t * BLOCK_N`` for ``t < num``; ``[t1, t2)`` are fully inside it (all keys valid)."""
+    m_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    n_base = (tl.maximum(m0 + band_lo, 0) // BLOCK_N) * BLOCK_N
+    n_end = tl.minimum(m_last + band_hi + 1, Lk)
+    num = tl.cdiv(tl.maximum(n_end - n_base, 0), BLOCK_N)
+    first = m_last + band_lo
+    last = tl.minimum(m0 + band_hi - BLOCK_N + 1, Lk - BLOCK_N)
+    t1, t2 = _interior_tiles(n_base, num, first, last, BLOCK_N)
+    return n_base, num, t1, t2
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base,
+               t_begin, t_end, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk,
+               qk_scale, band_lo, band_hi, seed, bh, threshold,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+               LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr):
+    for t in range(t_begin, t_end):
+        offs_n = n_base + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE)
+        s = _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
+                    qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
+                    EDGE, False, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
+            p = tl.where(keep, p, 0.0)
+        v = _load_rows(v_base, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=["seed", "threshold"])
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, Mask,
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_o_b, stride_o_h, stride_o_m,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    H, GROUP, Lq, Lk, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // num_m
+    m0 = (pid % num_m) * BLOCK_M
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hkv = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_base = K + b * stride_k_b + hkv * stride_k_h
+    v_base = V + b * stride_v_b + hkv * stride_v_h
+    mask_base = Mask + b * stride_mask_b + h * stride_mask_h
+    q = _load_rows(Q + b * stride_q_b + h * stride_q_h, offs_m, stride_q_m, offs_d, Lq,
+                   HEAD_DIM, BLOCK_D, True)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base, 0, t1,
+        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+        band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base, t1, t2,
+        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+        band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base, t2, num,
+        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+        band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True)
+
+    dead = l_i == 0.0
+    l_safe = tl.where(dead, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * rcp_keep
+    lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+
+    row_ok = offs_m < Lq
+    out_ptrs = Out + b * stride_o_b + h * stride_o_h + offs_m[:, None] * stride_o_m + offs_dv[None, :]
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(Lse + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    Out, DOut, Delta,
+    stride_o_b, stride_o_h, stride_o_m,
+    stride_do_b, stride_do_h, stride_do_m,
+    H, Lq,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // num_m
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = _load_rows(Out + b * stride_o_b + h * stride_o_h, offs_m, stride_o_m, offs_dv, Lq,
+                   HEAD_DIM_V, BLOCK_DV, True)
+    do = _load_rows(DOut + b * stride_do_b + h * stride_do_h, offs_m, stride_do_m, offs_dv, Lq,
+                    HEAD_DIM_V, BLOCK_DV, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+                offs_dv, m_base, t_begin, t_end, stride_q_m, stride_do_m, stride_mask_m,
+                stride_mask_n, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh, threshold,
+                rcp_keep, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr,
+                MASK_BOOL: tl.constexpr, LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                EDGE: tl.constexpr):
+    for t in range(t_begin, t_end):
+        offs_m = m_base + t * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, EDGE)
+        do = _load_rows(do_base, offs_m, stride_do_m, offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, EDGE)
+        lse = _load_vec(lse_ptr, offs_m, Lq, EDGE)
+        delta = _load_vec(delta_ptr, offs_m, Lq, EDGE)
+        lse = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+        s = _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
+                    qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
+                    EDGE, True, DOT_PRECISION)
+        p = tl.exp2(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
+            p_drop = tl.where(keep, p * rcp_keep, 0.0)
+            dp = tl.where(keep, dp * rcp_keep, 0.0)
+        else:
+            p_drop = p
+        dv += _dot(tl.trans(p_drop.to(do.dtype)), do, DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=["seed", "threshold"])
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV, Mask,
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_do_b, stride_do_h, stride_do_m,
+    stride_dk_b, stride_dk_h, stride_dk_n,
+    stride_dv_b, stride_dv_h, stride_dv_n,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    H, GROUP, Lq, Lk, scale, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(Lk, BLOCK_N)
+    bhkv = pid // num_n
+    n0 = (pid % num_n) * BLOCK_N
+    Hkv = H // GROUP
+    b = (bhkv // Hkv).to(tl.int64)
+    hkv = (bhkv % Hkv).to(tl.int64)
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_rows(K + b * stride_k_b + hkv * stride_k_h, offs_n, stride_k_n, offs_d, Lk,
+                   HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + b * stride_v_b + hkv * stride_v_h, offs_n, stride_v_n, offs_dv, Lk,
+                   HEAD_DIM_V, BLOCK_DV, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    # Query tiles that intersect the band; interior ones have every (row, key) pair inside it
+    # and no padding row, and exist only when this key block has no padding key.
+    n_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
+    m_base = (tl.maximum(n0 - band_hi, 0) // BLOCK_M) * BLOCK_M
+    m_end = tl.minimum(n_last - band_lo + 1, Lq)
+    num = tl.cdiv(tl.maximum(m_end - m_base, 0), BLOCK_M)
+    first = n0 + BLOCK_N - 1 - band_hi
+    last = tl.where(n0 + BLOCK_N <= Lk, tl.minimum(n0 - band_lo - BLOCK_M + 1, Lq - BLOCK_M), -1)
+    t1, t2 = _interior_tiles(m_base, num, first, last, BLOCK_M)
+
+    for g in range(0, GROUP):
+        h = hkv * GROUP + g
+        bh = b * H + h
+        q_base = Q + b * stride_q_b + h * stride_q_h
+        do_base = DOut + b * stride_do_b + h * stride_do_h
+        lse_ptr = Lse + bh * Lq
+        delta_ptr = Delta + bh * Lq
+        mask_base = Mask + b * stride_mask_b + h * stride_mask_h
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+            offs_dv, m_base, 0, t1, stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq,
+            Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+            offs_dv, m_base, t1, t2, stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq,
+            Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, False)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+            offs_dv, m_base, t2, num, stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq,
+            Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True)
+
+    row_ok = offs_n[:, None] < Lk
+    dk_ptrs = DK + b * stride_dk_b + hkv * stride_dk_h + offs_n[:, None] * stride_dk_n + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty),
+             mask=row_ok & (offs_d[None, :] < HEAD_DIM))
+    dv_ptrs = DV + b * stride_dv_b + hkv * stride_dv_h + offs_n[:, None] * stride_dv_n + offs_dv[None, :]
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d,
+              offs_dv, n_base, t_begin, t_end, stride_k_n, stride_v_n, stride_mask_m,
+              stride_mask_n, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+              LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+              EDGE: tl.constexpr):
+    for t in range(t_begin, t_end):
+        offs_n = n_base + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE)
+        v = _load_rows(v_base, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE)
+        s = _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
+                    qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
+                    EDGE, False, DOT_PRECISION)
+        p = tl.exp2(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
+            dp = tl.where(keep, dp * rcp_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        if NEED_DMASK:
+            tl.store(dmask_base + offs_m[:, None] * Lk + offs_n[None, :], ds,
+                     mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _store_zero_columns(dmask_base, offs_m, n_begin, n_end, Lq, Lk, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """Write zeros to columns [n_begin, n_end) of the rows offs_m of dS (keys outside the band)."""
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for n in range(n_begin, n_end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        tl.store(dmask_base + offs_m[:, None] * Lk + offs_n[None, :], zeros,
+                 mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < tl.minimum(n_end, Lk)))
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "NEED_DMASK"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit(do_not_specialize=["seed", "threshold"])
+def _attn_bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, DMask, Mask,
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_k_b, stride_k_h, stride_k_n,
+    stride_v_b, stride_v_h, stride_v_n,
+    stride_do_b, stride_do_h, stride_do_m,
+    stride_dq_b, stride_dq_h, stride_dq_m,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    H, GROUP, Lq, Lk, scale, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // num_m
+    m0 = (pid % num_m) * BLOCK_M
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hkv = h // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_base = K + b * stride_k_b + hkv * stride_k_h
+    v_base = V + b * stride_v_b + hkv * stride_v_h
+    mask_base = Mask + b * stride_mask_b + h * stride_mask_h
+    dmask_base = DMask + bh.to(tl.int64) * Lq * Lk
+    q = _load_rows(Q + b * stride_q_b + h * stride_q_h, offs_m, stride_q_m, offs_d, Lq,
+                   HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DOut + b * stride_do_b + h * stride_do_h, offs_m, stride_do_m, offs_dv, Lq,
+                    HEAD_DIM_V, BLOCK_DV, True)
+    lse = _load_vec(Lse + bh.to(tl.int64) * Lq, offs_m, Lq, True)
+    lse = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+    delta = _load_vec(Delta + bh.to(tl.int64) * Lq, offs_m, Lq, True)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d, offs_dv,
+        n_base, 0, t1, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
+        band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+        BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK,
+        DOT_PRECISION, BLOCK_N, True)
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d, offs_dv,
+        n_base, t1, t2, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
+        band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+        BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK,
+        DOT_PRECISION, BLOCK_N, False)
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d, offs_dv,
+        n_base, t2, num, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
+        band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+        BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK,
+        DOT_PRECISION, BLOCK_N, True)
+    if NEED_DMASK:
+        _store_zero_columns(dmask_base, offs_m, 0, n_base, Lq, Lk, BLOCK_M, BLOCK_N)
+        _store_zero_columns(dmask_base, offs_m, n_base + num * BLOCK_N, Lk, Lq, Lk, BLOCK_M,
+                            BLOCK_N)
+
+    dq_ptrs = DQ + b * stride_dq_b + h * stride_dq_h + offs_m[:, None] * stride_dq_m + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+def _check_tensor(name, x, rank=4):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D, got shape {tuple(x.shape)}")
+
+
+def _check_inputs(q, k, v, mask, dropout_p):
+    """Validate q, k, v, mask and dropout_p; return (B, H, Hkv, Lq, Lk, D, Dv)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, Lq, D = q.shape
+    _, Hkv, Lk, Dv = v.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] != Hkv or k.shape[2] != Lk:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on heads and length")
+    if k.shape[3] != D:
+        raise ValueError(f"head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"query heads ({H}, q {tuple(q.shape)}) must be a multiple of kv heads "
+                         f"({Hkv}, k {tuple(k.shape)})")
+    if Lq == 0 or Lk == 0:
+        raise ValueError(f"sequence lengths must be >= 1: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not (1 <= D <= _MAX_HEAD_DIM and 1 <= Dv <= _MAX_HEAD_DIM):
+        raise ValueError(f"head dims must be in [1, {_MAX_HEAD_DIM}]: q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if mask is not None:
+        _check_tensor("mask", mask)
+        if tuple(mask.shape) != (B, H, Lq, Lk):
+            raise ValueError(f"mask must have shape (B, H, Lq, Lk) = {(B, H, Lq, Lk)} "
+                             f"(a broadcast view is fine), got {tuple(mask.shape)}")
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            raise TypeError(f"mask must be bool or floating point, got {mask.dtype}")
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device}, q on {q.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return B, H, Hkv, Lq, Lk, D, Dv
+
+
+def _unit_last_stride(x):
+    """``x`` itself when its last dim has stride 1 (or size 1), else a contiguous copy."""
+    return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _band(Lq, Lk, offset, left, right):
+    """Kernel band ``(band_lo, band_hi)``: key j is allowed for query i iff
+    ``i + band_lo <= j <= i + band_hi``, clamped to [-Lq, Lk] (int32-safe, same meaning), plus
+    whether each side cuts any row."""
+    try:
+        offset, left, right = operator.index(offset), operator.index(left), operator.index(right)
+    except TypeError:
+        raise TypeError(f"offset, left, right must be integers, got {offset!r}, {left!r}, {right!r}") from None
+    lo = min(max(offset - left, -Lq), Lk)
+    hi = min(max(offset + right, -Lq), Lk)
+    return lo, hi, lo > 1 - Lq, hi < Lk - 1
+
+
+def _mask_args(mask, q):
+    """(tensor, its 4 strides, HAS_MASK, MASK_BOOL); q stands in as an unused pointer."""
+    if mask is None:
+        return q, (0, 0, 0, 0), False, False
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return mask, mask.stride(), True, mask.dtype == torch.uint8
+
+
+def _dropout_args(dropout_p, seed):
+    """(seed as an int32 bit pattern, threshold as an int32 bit pattern, 1 / (1 - p), HAS_DROPOUT)."""
+    if dropout_p == 0:
+        return 0, 0, 1.0, False
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int when dropout_p > 0, got {type(seed).__name__}")
+    threshold = math.floor(dropout_p * 2.0**32)
+
+    def as_i32(x):
+        x %= 2**32
+        return x - 2**32 if x >= 2**31 else x
+
+    return as_i32(seed), as_i32(threshold), 1.0 / (1.0 - dropout_p), True
+
+
+def _head_block(d):
+    return max(16, triton.next_power_of_2(d))
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
+    """Attention forward; returns ``(out, lse)``.
+
+    q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) with H % Hkv == 0; mask None or
+    (B, H, Lq, Lk) bool (True = allowed) or float (added to the scores), usually a broadcast
+    view; scale None means 1/sqrt(D); band (offset, left, right) as in docs/numerics.md;
+    dropout_p in [0, 1) with an int seed. out is (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq)
+    float32.
+    """
+    B, H, Hkv, Lq, Lk, D, Dv = _check_inputs(q, k, v, mask, dropout_p)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    band_lo, band_hi, lo_bounded, hi_bounded = _band(Lq, Lk, offset, left, right)
+    mask_t, mask_strides, has_mask, mask_bool = _mask_args(mask, q)
+    seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
+
+    out = torch.empty((B, H, Lq, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    if B * H == 0:
+        return out, lse
+
+    def grid(meta):
+        return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
+
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, mask_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *mask_strides,
+        H, H // Hkv, Lq, Lk, scale * _LOG2E.value, band_lo, band_hi, seed32, threshold, rcp_keep,
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D), BLOCK_DV=_head_block(Dv),
+        HAS_MASK=has_mask, MASK_BOOL=mask_bool, LO_BOUNDED=lo_bounded, HI_BOUNDED=hi_bounded,
+        HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed,
+                       need_dmask):
+    """Attention backward; returns ``(dq, dk, dv, dmask)``.
+
+    Arguments as for :func:`attention_forward`, plus dout and the forward's out (both
+    (B, H, Lq, Dv)) and lse ((B, H, Lq) float32). dq, dk, dv have the shapes and dtypes of
+    q, k, v (dk, dv summed over each GQA group). dmask is the float32 (B, H, Lq, Lk) tensor dS,
+    the gradient of the scores after the mask is added, when need_dmask, else None; the caller
+    reduces it to the mask's shape.
+    """
+    B, H, Hkv, Lq, Lk, D, Dv = _check_inputs(q, k, v, mask, dropout_p)
+    for name, x in (("dout", dout), ("out", out)):
+        _check_tensor(name, x)
+        if tuple(x.shape) != (B, H, Lq, Dv):
+            raise ValueError(f"{name} must have shape {(B, H, Lq, Dv)}, got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    _check_tensor("lse", lse, rank=3)
+    if tuple(lse.shape) != (B, H, Lq) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 of shape {(B, H, Lq)}, got {lse.dtype} {tuple(lse.shape)}")
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    out = _unit_last_stride(out)
+    dout = _unit_last_stride(dout.to(q.dtype))
+    lse = lse.contiguous()
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    band_lo, band_hi, lo_bounded, hi_bounded = _band(Lq, Lk, offset, left, right)
+    mask_t, mask_strides, has_mask, mask_bool = _mask_args(mask, q)
+    seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
+
+    dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Lk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Lk, Dv), dtype=v.dtype, device=q.device)
+    dmask = torch.empty((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if need_dmask else None
+    if B * H == 0:
+        return dq, dk, dv, dmask
+    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+
+    common = dict(
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D), BLOCK_DV=_head_block(Dv),
+        HAS_MASK=has_mask, MASK_BOOL=mask_bool, LO_BOUNDED=lo_bounded, HI_BOUNDED=hi_bounded,
+        HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    scalars = (H, H // Hkv, Lq, Lk, scale, scale * _LOG2E.value, band_lo, band_hi, seed32,
+               threshold, rcp_keep)
+
+    _attn_bwd_preprocess_kernel[(triton.cdiv(Lq, _PRE_BLOCK_M) * B * H,)](
+        out, dout, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        H, Lq,
+        HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
+    )
+
+    def grid_kv(meta):
+        return (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)
+
+    _attn_bwd_dkdv_kernel[grid_kv](
+        q, k, v, dout, lse, delta, dk, dv, mask_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        *mask_strides,
+        *scalars,
+        **common,
+    )
+
+    def grid_q(meta):
+        return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
+
+    _attn_bwd_dq_kernel[grid_q](
+        q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        *mask_strides,
+        *scalars,
+        NEED_DMASK=need_dmask, **common,
+    )
+    return dq, dk, dv, dmask

@@ -1,0 +1,254 @@
+"""fastattn.attention / scaled_dot_product_attention on every backend, against the float64 reference.
+
+Shapes stay tiny: on a CPU-only machine the triton backend runs under the Triton interpreter.
+"""
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastattn
+from fastattn import reference
+from fastattn.testing import assert_close_to_reference, to_numpy
+
+from conftest import backend_params
+
+BACKENDS = backend_params("attention")
+
+
+def _mask(kind, B, H, Lq, Lk, device, dtype, g):
+    if kind is None:
+        return None
+    if kind == "padding":  # key padding (B, 1, 1, Lk), each batch keeps a prefix
+        keep = torch.arange(Lk)[None, :] < torch.tensor([Lk, max(1, Lk // 2)][:B])[:, None]
+        return keep.view(B, 1, 1, Lk).to(device)
+    if kind == "bool":  # full (B, H, Lq, Lk)
+        return (torch.rand(B, H, Lq, Lk, generator=g) > 0.3).to(device)
+    if kind == "bias":  # per-head float bias (1, H, Lq, Lk), gradient wanted
+        return (torch.randn(1, H, Lq, Lk, generator=g, dtype=torch.float64) * 0.5).to(device, dtype).requires_grad_()
+    if kind == "2d-inf":  # float (Lq, Lk) with some -inf
+        m = torch.randn(Lq, Lk, generator=g, dtype=torch.float64)
+        m[torch.rand(Lq, Lk, generator=g) < 0.2] = float("-inf")
+        return m.to(device, dtype)
+    raise ValueError(kind)
+
+
+def _qkv(B, H, Hkv, Lq, Lk, D, Dv, device, dtype, g, scale=1.0):
+    mk = lambda *s: (torch.randn(*s, generator=g, dtype=torch.float64) * scale).to(device, dtype).requires_grad_()  # noqa: E731
+    return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, Dv)
+
+
+# (B, H, Hkv, Lq, Lk, D, Dv, mask, causal, window)
+CASES = [
+    (1, 2, 2, 1, 17, 16, 16, None, False, None),            # decode row
+    (2, 2, 2, 17, 17, 40, 40, "padding", False, None),
+    (1, 4, 2, 17, 33, 16, 24, "bias", False, None),          # GQA, Dv != D, bias gradient
+    (2, 2, 1, 33, 17, 16, 16, "bool", True, None),           # MQA, causal top-left, Lq > Lk
+    (1, 2, 2, 17, 33, 16, 16, None, "bottom_right", None),
+    (1, 2, 2, 33, 33, 16, 16, "2d-inf", False, (4, 3)),      # sliding window
+    (1, 1, 1, 130, 130, 80, 80, None, True, (16, 0)),
+    (1, 1, 1, 17, 17, 100, 100, "padding", False, None),
+]
+
+
+def _ids(case):
+    B, H, Hkv, Lq, Lk, D, Dv, mask, causal, window = case
+    return f"{B}x{H}/{Hkv}x{Lq}x{Lk}xd{D}/{Dv}-{mask}-{causal}-{window}"
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_attention_matches_reference(backend, device, dtype, case):
+    B, H, Hkv, Lq, Lk, D, Dv, kind, causal, window = case
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, Dv, device, dtype, g)
+    mask = _mask(kind, B, H, Lq, Lk, device, dtype, g)
+    out, lse = fastattn.attention(q, k, v, mask, causal=causal, window=window, enable_gqa=True,
+                                  return_lse=True, backend=backend)
+    assert out.shape == (B, H, Lq, Dv) and out.dtype == dtype and lse.dtype == torch.float32
+    args = dict(mask=None if mask is None else to_numpy(mask) if mask.is_floating_point() else mask.cpu().numpy(),
+                causal=causal, window=window, enable_gqa=True)
+    ref_out, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), **args)
+    assert_close_to_reference(out, ref_out, name="out")
+    assert_close_to_reference(lse, ref_lse, atol=1e-4 if dtype == torch.float32 else 5e-2, name="lse")
+
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device, dtype)
+    inputs = [q, k, v] + ([mask] if kind == "bias" else [])
+    grads = torch.autograd.grad(out, inputs, dout)
+    rq, rk, rv, rmask = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v), **args)
+    for name, got, want in zip(("dq", "dk", "dv", "dmask"), grads, (rq, rk, rv, rmask)):
+        assert_close_to_reference(got, want, name=name)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_fully_masked_rows_give_zero_not_nan(backend, device):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(1, 2, 2, 5, 7, 16, 16, device, torch.float32, g)
+    mask = torch.ones(1, 2, 5, 7, dtype=torch.bool, device=device)
+    mask[0, 0, 1] = False  # row 1 of head 0 sees nothing
+    bias = torch.zeros(1, 2, 5, 7, device=device)
+    bias[0, 1, 3] = float("-inf")  # row 3 of head 1 sees nothing
+    for m in (mask, bias):
+        out, lse = fastattn.attention(q, k, v, m, return_lse=True, backend=backend)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        for t in (out, dq, dk, dv):
+            assert not torch.isnan(t).any()
+        dead = (0, 0, 1) if m is mask else (0, 1, 3)
+        assert torch.all(out[dead] == 0) and torch.all(dq[dead] == 0)
+        assert lse[dead] == float("-inf")
+    # Causal bottom-right with Lq > Lk: the first Lq - Lk rows see nothing.
+    q2, k2, v2 = _qkv(1, 1, 1, 9, 4, 16, 16, device, torch.float32, g)
+    out = fastattn.attention(q2, k2, v2, causal="bottom_right", backend=backend)
+    assert torch.all(out[0, 0, :5] == 0) and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_huge_logits(backend, device):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = _qkv(1, 2, 2, 17, 17, 16, 16, device, torch.float32, g, scale=100.0)  # scores ~1e4
+    out = fastattn.attention(q, k, v, causal=True, backend=backend)
+    ref, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True)
+    assert_close_to_reference(out, ref, atol=1e-3, name="out")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_dropout_replays_and_matches_the_shared_rng(backend, device):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = _qkv(2, 2, 2, 9, 17, 16, 16, device, torch.float32, g)
+    p = 0.3
+    a = fastattn.attention(q, k, v, dropout_p=p, seed=1234, backend=backend)
+    b = fastattn.attention(q, k, v, dropout_p=p, seed=1234, backend=backend)
+    c = fastattn.attention(q, k, v, dropout_p=p, seed=4321, backend=backend)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    ref, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), dropout_p=p, seed=1234)
+    assert_close_to_reference(a, ref, name="out")
+    dout = torch.randn(a.shape, generator=g, dtype=torch.float64).to(device, torch.float32)
+    grads = torch.autograd.grad(a, (q, k, v), dout)
+    refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v), dropout_p=p, seed=1234)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
+        assert_close_to_reference(got, want, name=name)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_dropout_drops_the_expected_fraction(backend, device):
+    # With V = identity the output is the dropped probability matrix itself.
+    Lk = 64
+    q = torch.zeros(1, 4, 64, Lk, device=device)
+    k = torch.zeros(1, 4, Lk, Lk, device=device)
+    v = torch.eye(Lk, device=device).expand(1, 4, Lk, Lk).contiguous()
+    p = 0.25
+    out = fastattn.attention(q, k, v, dropout_p=p, seed=7, backend=backend)
+    dropped = (out == 0).double().mean().item()
+    n = out.numel()
+    assert abs(dropped - p) < 6 * math.sqrt(p * (1 - p) / n)
+    kept = out[out != 0]
+    assert torch.allclose(kept, torch.full_like(kept, 1 / Lk / (1 - p)))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("mask_kind", [None, "padding", "bias"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_is_a_drop_in(backend, device, mask_kind, is_causal):
+    if mask_kind is not None and is_causal:
+        pytest.skip("torch rejects a mask together with is_causal")
+    g = torch.Generator().manual_seed(4)
+    q, k, v = _qkv(2, 4, 2, 17, 17, 16, 16, device, torch.float64 if backend in ("naive", "cpu") else torch.float32, g)
+    mask = _mask(mask_kind, 2, 4, 17, 17, device, q.dtype, g)
+    got = fastattn.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=0.3, enable_gqa=True, backend=backend)
+    want = F.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=0.3, enable_gqa=True)
+    assert_close_to_reference(got, want, name="out")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_bad_input_errors(backend, device):
+    q = torch.randn(1, 2, 4, 8, device=device)
+    with pytest.raises(ValueError, match="4-D"):
+        fastattn.scaled_dot_product_attention(q[0], q[0], q[0], backend=backend)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        fastattn.scaled_dot_product_attention(q, torch.cat([q, q]), torch.cat([q, q]), backend=backend)
+    with pytest.raises(ValueError, match="head dim"):
+        fastattn.scaled_dot_product_attention(q, q[..., :4], q, backend=backend)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fastattn.scaled_dot_product_attention(q, q[:, :1], q[:, :1], backend=backend)
+    kv = torch.randn(1, 3, 4, 8, device=device)
+    with pytest.raises(ValueError, match="multiple"):
+        fastattn.scaled_dot_product_attention(torch.cat([q, q], 1), kv, kv, enable_gqa=True, backend=backend)
+    with pytest.raises(ValueError, match="not broadcastable"):
+        fastattn.scaled_dot_product_attention(q, q, q, torch.ones(3, 4, dtype=torch.bool, device=device), backend=backend)
+    with pytest.raises(ValueError, match="dropout_p"):
+        fastattn.scaled_dot_product_attention(q, q, q, dropout_p=1.0, backend=backend)
+    with pytest.raises(TypeError, match="dtype"):
+        fastattn.scaled_dot_product_attention(q.long(), q.long(), q.long(), backend=backend)
+    with pytest.raises(ValueError, match="not both"):
+        fastattn.scaled_dot_product_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool, device=device), is_causal=True, backend=backend)
+    with pytest.raises(ValueError, match="causal"):
+        fastattn.attention(q, q, q, causal="diagonal", backend=backend)
+
+
+@pytest.mark.parametrize("backend,device", [p for p in BACKENDS if p.id in ("triton", "cuda")])
+def test_head_dim_limit(backend, device):
+    q = torch.randn(1, 1, 2, 264, device=device)
+    with pytest.raises(ValueError, match="256"):
+        fastattn.attention(q, q, q, backend=backend)
+
+
+def _registered_ops():
+    ops = []
+    for name, device in (("attention_fwd", "cpu"), ("triton_attention_fwd", "cuda" if torch.cuda.is_available() else "cpu")):
+        op = getattr(torch.ops.fastattn, name, None)
+        if op is not None and (name.startswith("triton") or "cpu" in fastattn.backends.implementations("attention")):
+            ops.append(pytest.param(op.default, device, id=name))
+    return ops
+
+
+@pytest.mark.parametrize("op,device", _registered_ops())
+@pytest.mark.parametrize("mask_kind", [None, "bias"])
+def test_opcheck(op, device, mask_kind):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = _qkv(1, 2, 1, 5, 7, 16, 16, device, torch.float32, g)
+    mask = _mask(mask_kind, 1, 2, 5, 7, device, torch.float32, g)
+    mask = None if mask is None else mask.expand(1, 2, 5, 7)
+    torch.library.opcheck(op, (q, k, v, mask, 0.25, 0, 12, 0, 0.0, 0))
+
+
+@pytest.mark.parametrize("backend,device", [p for p in BACKENDS if p.id in ("cpu", "naive", "triton")])
+def test_compiles_without_graph_breaks(backend, device):
+    if backend == "triton" and device.type == "cpu":
+        pytest.skip("torch.compile of Triton ops needs a GPU")
+    g = torch.Generator().manual_seed(6)
+    q, k, v = _qkv(1, 2, 2, 8, 8, 16, 16, device, torch.float32, g)
+    compiler = "inductor" if device.type == "cuda" else "aot_eager"
+
+    def f(q, k, v):
+        return fastattn.scaled_dot_product_attention(q * 2, k, v, is_causal=True, backend=backend).sum()
+
+    out = torch.compile(f, fullgraph=True, backend=compiler)(q, k, v)
+    out.backward()
+    assert torch.allclose(out, f(q, k, v), atol=1e-4) and q.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_grid_within_twice_torch_error(backend, dtype, D, causal):
+    if backend not in fastattn.available_backends():
+        pytest.skip(f"{backend} unavailable")
+    g = torch.Generator().manual_seed(D)
+    q, k, v = _qkv(2, 4, 4, 257, 257, D, D, "cuda", dtype, g)
+    out = fastattn.attention(q, k, v, causal=causal, backend=backend)
+    base = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    ref, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
+    assert_close_to_reference(out, ref, base, name="out")
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to("cuda", dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    bgrads = torch.autograd.grad(base, (q, k, v), dout)
+    refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v), causal=causal)
+    for name, got, b, want in zip(("dq", "dk", "dv"), grads, bgrads, refs):
+        assert_close_to_reference(got, want, b, name=name)
