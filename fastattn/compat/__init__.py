@@ -1,0 +1,1 @@
+"""Adapters with other libraries' argument orders and conventions."""

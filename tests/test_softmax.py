@@ -1,0 +1,124 @@
+"""fastattn.scaled_masked_softmax on every backend, against the float64 reference."""
+
+import numpy as np
+import pytest
+import torch
+
+import fastattn
+from fastattn import reference
+from fastattn.testing import assert_close_to_reference, to_numpy
+
+from conftest import backend_params
+
+BACKENDS = backend_params("softmax")
+
+
+def _mask(kind, shape, dtype, device, g):
+    if kind is None:
+        return None
+    if kind == "padding":  # bool key padding broadcast over heads and queries
+        keep = torch.rand(shape[0], 1, 1, shape[-1], generator=g) > 0.3
+        keep[..., 0] = True
+        return keep.to(device)
+    if kind == "bias":  # float, per (head, query, key), gradient wanted
+        return torch.randn(shape[1:], generator=g, dtype=torch.float64).to(device, dtype).requires_grad_()
+    if kind == "inf":  # float with -inf, one fully masked row
+        m = torch.zeros(shape[-2:], dtype=torch.float64)
+        m[torch.rand(shape[-2:], generator=g) < 0.3] = float("-inf")
+        m[0] = float("-inf")
+        return m.to(device, dtype)
+    raise ValueError(kind)
+
+
+# (shape, mask kind, scale, is_causal)
+CASES = [
+    ((2, 3, 5, 17), None, 1.0, False),
+    ((2, 3, 5, 17), "padding", 0.5, False),
+    ((2, 3, 5, 17), "bias", 0.125, False),
+    ((1, 2, 7, 130), "inf", 1.0, False),
+    ((2, 2, 9, 5), None, 1.0, True),        # causal with Lq > Lk
+    ((1, 1, 3, 1), None, 2.0, False),        # rows of length 1
+    ((17,), None, 1.0, False),               # 1-D
+    ((2, 2, 2, 3, 33), None, 0.7, True),     # 5-D
+    ((1, 1, 2, 20_000), "padding", 1.0, False),  # long rows: the multi-block path
+]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,kind,scale,causal", CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES])
+def test_softmax_matches_reference(backend, device, dtype, shape, kind, scale, causal):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(device, dtype).requires_grad_()
+    mask = _mask(kind, shape, dtype, device, g)
+    y = fastattn.scaled_masked_softmax(x, mask, scale, causal, backend=backend)
+    assert y.shape == x.shape and y.dtype == dtype
+    np_mask = None if mask is None else (to_numpy(mask) if mask.is_floating_point() else mask.cpu().numpy())
+    ref = reference.softmax(to_numpy(x), np_mask, scale, causal)
+    assert_close_to_reference(y, ref, name="y")
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
+    inputs = [x] + ([mask] if kind == "bias" else [])
+    grads = torch.autograd.grad(y, inputs, dy)
+    rdx = reference.softmax_backward(to_numpy(dy), ref, scale)
+    assert_close_to_reference(grads[0], rdx, name="dx")
+    if kind == "bias":  # the mask enters unscaled; its gradient is summed over the broadcast dim
+        rdmask = reference.softmax_backward(to_numpy(dy), ref, 1.0).sum(0)
+        assert_close_to_reference(grads[1], rdmask, name="dmask")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_fully_masked_rows_and_huge_logits(backend, device):
+    x = torch.randn(2, 4, 9, device=device) * 1e4
+    x.requires_grad_()
+    mask = torch.ones(2, 4, 9, dtype=torch.bool, device=device)
+    mask[1, 2] = False
+    y = fastattn.scaled_masked_softmax(x, mask, backend=backend)
+    (dx,) = torch.autograd.grad(y, x, torch.randn_like(y))
+    assert not torch.isnan(y).any() and not torch.isnan(dx).any()
+    assert torch.all(y[1, 2] == 0) and torch.all(dx[1, 2] == 0)
+    ref = reference.softmax(to_numpy(x), mask.cpu().numpy())
+    assert_close_to_reference(y, ref, name="y")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_bad_input_errors(backend, device):
+    x = torch.randn(2, 3, 4, device=device)
+    with pytest.raises(ValueError, match="not broadcastable"):
+        fastattn.scaled_masked_softmax(x, torch.ones(5, dtype=torch.bool, device=device), backend=backend)
+    with pytest.raises(TypeError, match="mask must be bool or floating"):
+        fastattn.scaled_masked_softmax(x, torch.ones(4, dtype=torch.int32, device=device), backend=backend)
+    with pytest.raises(TypeError, match="dtype"):
+        fastattn.scaled_masked_softmax(x.int(), backend=backend)
+    with pytest.raises(ValueError, match="is_causal"):
+        fastattn.scaled_masked_softmax(x[0, 0], is_causal=True, backend=backend)
+
+
+def _registered_ops():
+    ops = []
+    for name, device in (("softmax_fwd", "cpu"), ("triton_softmax_fwd", "cuda" if torch.cuda.is_available() else "cpu")):
+        op = getattr(torch.ops.fastattn, name, None)
+        if op is not None and (name.startswith("triton") or "cpu" in fastattn.backends.implementations("softmax")):
+            ops.append(pytest.param(op.default, device, id=name))
+    return ops
+
+
+@pytest.mark.parametrize("op,device", _registered_ops())
+def test_opcheck(op, device):
+    x = torch.randn(2, 3, 4, 9, device=device, requires_grad=True)
+    bias = torch.randn(3, 4, 9, device=device, requires_grad=True).expand(2, 3, 4, 9)
+    torch.library.opcheck(op, (x, None, 0.5, True))
+    torch.library.opcheck(op, (x, bias, 0.5, False))
+
+
+def test_module_and_megatron_compat():
+    x = torch.randn(2, 2, 4, 6)
+    mod = fastattn.nn.ScaledMaskedSoftmax(scale=0.5, is_causal=True, backend="naive")
+    assert torch.allclose(mod(x), fastattn.scaled_masked_softmax(x, None, 0.5, True, backend="naive"))
+    from fastattn.compat import megatron
+
+    masked_out = torch.rand(2, 1, 4, 6) > 0.7  # Megatron: True = masked out
+    got = megatron.scaled_masked_softmax(x, masked_out, 0.5)
+    want = fastattn.scaled_masked_softmax(x, ~masked_out, 0.5)
+    assert torch.equal(got, want)
+    got = megatron.scaled_upper_triang_masked_softmax(x[0], 0.5)
+    assert torch.equal(got, fastattn.scaled_masked_softmax(x[0], None, 0.5, True))
