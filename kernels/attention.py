@@ -6,7 +6,7 @@ Math (per batch ``b`` and query head ``h``; kv head ``h // (H // Hkv)``)::
                                      outside the band  i + offset - left <= j <= i + offset + right
     lse = log sum_j exp(S_ij)        -inf for a row with nothing to attend
     P   = exp(S - lse)               0 for such a row
-    O   = (P * Z) V                  Z = keep / (1 - p), keep from rng.dropout_keep (all ones if p = 0)
+    O   = (P * Z) V                  Z = keep / (1 - p), keep from rng.dropout_keep (1 if p = 0)
 
     delta = rowsum(dO * O)
     dV    = (P * Z)^T dO
@@ -31,8 +31,11 @@ visited, and tiles fully inside it (no padding keys, nor padding queries where t
 without band or bounds arithmetic. A mask tensor, when given, is read through its four strides
 (stride 0 on broadcast dimensions) in every tile.
 
+Block sizes, warps and stages are autotuned on GPU (keys: Lq, Lk, head dims, dtypes, mask, band
+and dropout flags); under TRITON_INTERPRET a single 16 x 16 config is used.
+
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
-IEEE-exact dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
+IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
 float32 (natural log). Fully masked rows give O = 0, lse = -inf and zero gradients, never NaN.
 
 Limits: q/k/v in float16, bfloat16 or float32 with a unit stride on the last dimension (copied
@@ -57,7 +60,8 @@ _LN2 = tl.constexpr(0.6931471805599453)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in (
+    "1", "true", "yes", "on", "y")
 # Triton's CPU interpreter multiplies the raw uint16 bits of bfloat16 dot operands
 # (triton-lang/triton#11584), so under it those operands are widened to float32 first (exact).
 _WIDEN_BF16_DOTS = tl.constexpr(_INTERPRET)
@@ -129,7 +133,8 @@ def _load_rows(base, offs_r, stride_r, offs_d, n_rows, DIM: tl.constexpr, BLOCK_
         if DIM == BLOCK_D:
             tile = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
         else:
-            tile = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < DIM), other=0.0)
+            in_bounds = (offs_r[:, None] < n_rows) & (offs_d[None, :] < DIM)
+            tile = tl.load(ptrs, mask=in_bounds, other=0.0)
     else:
         if DIM == BLOCK_D:
             tile = tl.load(ptrs)
@@ -304,7 +309,8 @@ def _attn_fwd_kernel(
     lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
 
     row_ok = offs_m < Lq
-    out_ptrs = Out + b * stride_o_b + h * stride_o_h + offs_m[:, None] * stride_o_m + offs_dv[None, :]
+    out_ptrs = (Out + b * stride_o_b + h * stride_o_h
+                + offs_m[:, None] * stride_o_m + offs_dv[None, :])
     tl.store(out_ptrs, out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(Lse + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
@@ -444,10 +450,12 @@ def _attn_bwd_dkdv_kernel(
             HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True)
 
     row_ok = offs_n[:, None] < Lk
-    dk_ptrs = DK + b * stride_dk_b + hkv * stride_dk_h + offs_n[:, None] * stride_dk_n + offs_d[None, :]
+    dk_ptrs = (DK + b * stride_dk_b + hkv * stride_dk_h
+               + offs_n[:, None] * stride_dk_n + offs_d[None, :])
     tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty),
              mask=row_ok & (offs_d[None, :] < HEAD_DIM))
-    dv_ptrs = DV + b * stride_dv_b + hkv * stride_dv_h + offs_n[:, None] * stride_dv_n + offs_dv[None, :]
+    dv_ptrs = (DV + b * stride_dv_b + hkv * stride_dv_h
+               + offs_n[:, None] * stride_dv_n + offs_dv[None, :])
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
 
 
@@ -557,7 +565,8 @@ def _attn_bwd_dq_kernel(
         _store_zero_columns(dmask_base, offs_m, n_base + num * BLOCK_N, Lk, Lq, Lk, BLOCK_M,
                             BLOCK_N)
 
-    dq_ptrs = DQ + b * stride_dq_b + h * stride_dq_h + offs_m[:, None] * stride_dq_m + offs_d[None, :]
+    dq_ptrs = (DQ + b * stride_dq_b + h * stride_dq_h
+               + offs_m[:, None] * stride_dq_m + offs_d[None, :])
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
 
@@ -586,9 +595,11 @@ def _check_inputs(q, k, v, mask, dropout_p):
     B, H, Lq, D = q.shape
     _, Hkv, Lk, Dv = v.shape
     if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     if k.shape[1] != Hkv or k.shape[2] != Lk:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on heads and length")
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on heads and "
+                         f"length")
     if k.shape[3] != D:
         raise ValueError(f"head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if Hkv == 0 or H % Hkv != 0:
@@ -627,7 +638,8 @@ def _band(Lq, Lk, offset, left, right):
     try:
         offset, left, right = operator.index(offset), operator.index(left), operator.index(right)
     except TypeError:
-        raise TypeError(f"offset, left, right must be integers, got {offset!r}, {left!r}, {right!r}") from None
+        raise TypeError(f"offset, left, right must be integers, got {offset!r}, {left!r}, "
+                        f"{right!r}") from None
     lo = min(max(offset - left, -Lq), Lk)
     hi = min(max(offset + right, -Lq), Lk)
     return lo, hi, lo > 1 - Lq, hi < Lk - 1
@@ -643,7 +655,7 @@ def _mask_args(mask, q):
 
 
 def _dropout_args(dropout_p, seed):
-    """(seed as an int32 bit pattern, threshold as an int32 bit pattern, 1 / (1 - p), HAS_DROPOUT)."""
+    """(seed and threshold as int32 bit patterns, 1 / (1 - p), HAS_DROPOUT)."""
     if dropout_p == 0:
         return 0, 0, 1.0, False
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -723,7 +735,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
             raise ValueError(f"{name} is on {x.device}, q on {q.device}")
     _check_tensor("lse", lse, rank=3)
     if tuple(lse.shape) != (B, H, Lq) or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be float32 of shape {(B, H, Lq)}, got {lse.dtype} {tuple(lse.shape)}")
+        raise ValueError(f"lse must be float32 of shape {(B, H, Lq)}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     out = _unit_last_stride(out)
     dout = _unit_last_stride(dout.to(q.dtype))
@@ -736,7 +749,9 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
     dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Lk, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Lk, Dv), dtype=v.dtype, device=q.device)
-    dmask = torch.empty((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if need_dmask else None
+    dmask = None
+    if need_dmask:
+        dmask = torch.empty((B, H, Lq, Lk), dtype=torch.float32, device=q.device)
     if B * H == 0:
         return dq, dk, dv, dmask
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)

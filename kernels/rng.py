@@ -30,7 +30,8 @@ def fmix32(x):
 @triton.jit
 def dropout_keep(seed, bh, rows, cols, Lk, threshold):
     """Keep-mask of the query rows ``rows`` and key columns ``cols`` (broadcast together) of the
-    flat (batch, query head) index ``bh = b * H + h``: ``fmix32(fmix32(i*Lk + j) ^ stream) >= threshold``.
+    flat (batch, query head) index ``bh = b * H + h``:
+    ``fmix32(fmix32(i * Lk + j) ^ stream(bh)) >= threshold``.
     """
     seed_u = tl.cast(seed, tl.uint32, bitcast=True)
     threshold_u = tl.cast(threshold, tl.uint32, bitcast=True)

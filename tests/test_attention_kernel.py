@@ -1,0 +1,216 @@
+"""Triton attention kernels (kernels/attention.py) against the float64 NumPy reference.
+
+Without a GPU the kernels run under the Triton interpreter on CPU tensors, so shapes are tiny
+(the interpreter tiles are 16 x 16, so 17 and 33 exercise edge, interior and padding tiles).
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fastattn import reference as ref  # noqa: E402
+from fastattn.kernels.attention import attention_backward, attention_forward  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Absolute tolerances relative to the largest reference magnitude (at least 1).
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _np(x):
+    return None if x is None else x.detach().cpu().double().numpy()
+
+
+def _mask_np(mask):
+    if mask is None:
+        return None
+    return mask.cpu().numpy() if mask.dtype == torch.bool else _np(mask)
+
+
+def _assert_close(name, got, want, tol):
+    got = _np(got)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{name}: non-finite values"
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max())
+    assert err <= tol * scale, f"{name}: max abs error {err:.3g} > {tol * scale:.3g}"
+
+
+def _inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, seed=0, amp=1.0, transposed=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return (amp * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)
+
+    if transposed:  # (B, L, H, D) memory layout, as from a fused projection
+        q = rnd(B, Lq, H, D).transpose(1, 2)
+    else:
+        q = rnd(B, H, Lq, D)
+    return q, rnd(B, Hkv, Lk, D), rnd(B, Hkv, Lk, Dv), rnd(B, H, Lq, Dv) / amp
+
+
+def _make_mask(kind, B, H, Lq, Lk, seed=1):
+    """(kernel mask: a (B, H, Lq, Lk) view, the tensor the reference sees, requires dmask)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None, None, False
+    if kind == "keypad":  # (B, 1, 1, Lk) key padding, the last keys of batch 1 masked
+        base = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+        base[-1, ..., Lk // 2:] = False
+    elif kind == "full_bool":  # (B, H, Lq, Lk) with one fully masked row
+        base = torch.rand(B, H, Lq, Lk, generator=g) > 0.3
+        base[0, 0, 2] = False
+    elif kind == "bias":  # (1, H, Lq, Lk) float bias with a -inf row and scattered -inf
+        base = torch.randn(1, H, Lq, Lk, generator=g)
+        base[0, -1, 1] = float("-inf")
+        base[torch.rand(base.shape, generator=g) < 0.1] = float("-inf")
+    else:
+        raise ValueError(kind)
+    base = base.to(DEVICE)
+    return base.expand(B, H, Lq, Lk), base, base.dtype != torch.bool
+
+
+# id: (B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask, dropout_p, dtype)
+CASES = {
+    "plain": (1, 2, 2, 17, 17, 16, 16, False, None, None, 0.0, torch.float32),
+    "single": (1, 1, 1, 1, 1, 16, 16, False, None, None, 0.0, torch.float32),
+    "decode_mqa": (2, 4, 1, 1, 33, 16, 16, "bottom_right", None, None, 0.0, torch.float32),
+    "causal_tl_dv": (1, 2, 2, 17, 33, 40, 24, True, None, None, 0.0, torch.float32),
+    "causal_br_empty_rows": (1, 2, 1, 33, 17, 16, 16, "bottom_right", None, None, 0.0,
+                             torch.float32),
+    "gqa_window": (1, 4, 2, 33, 33, 16, 16, False, (5, 3), None, 0.0, torch.float32),
+    "window_br_left": (1, 2, 2, 17, 33, 16, 16, "bottom_right", (4, None), None, 0.0,
+                       torch.float32),
+    "keypad_mqa": (2, 4, 1, 17, 33, 16, 16, False, None, "keypad", 0.0, torch.float32),
+    "bias_causal": (2, 2, 2, 17, 33, 40, 40, True, None, "bias", 0.0, torch.float32),
+    "full_mask": (2, 2, 1, 17, 17, 16, 32, False, None, "full_bool", 0.0, torch.float32),
+    "dropout_gqa": (1, 4, 2, 17, 33, 16, 16, False, None, None, 0.25, torch.float32),
+    "dropout_bias_window": (1, 2, 2, 33, 17, 16, 16, False, (6, 2), "bias", 0.5, torch.float32),
+    "bf16_causal": (1, 4, 2, 33, 33, 40, 40, True, None, "keypad", 0.0, torch.bfloat16),
+    "fp16_dropout": (1, 2, 1, 17, 33, 16, 24, "bottom_right", None, None, 0.1, torch.float16),
+}
+
+
+def _run(B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask_kind, p, dtype, seed=1234, amp=1.0,
+         transposed=False):
+    q, k, v, dout = _inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, amp=amp, transposed=transposed)
+    mask, mask_ref, need_dmask = _make_mask(mask_kind, B, H, Lq, Lk)
+    scale = D ** -0.5
+    band = ref.structural_band(Lq, Lk, causal, window)
+    out, lse = attention_forward(q, k, v, mask, scale, *band, p, seed)
+    grads = attention_backward(dout, q, k, v, out, lse, mask, scale, *band, p, seed, need_dmask)
+    args = (_np(q), _np(k), _np(v), _mask_np(mask_ref), scale, causal, window, p, seed, True)
+    want = ref.attention(*args), ref.attention_backward(_np(dout), *args)
+    return (out, lse), grads, want, mask
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(case):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask_kind, p, dtype = CASES[case]
+    (out, lse), (dq, dk, dv, dmask), ((r_out, r_lse), (r_dq, r_dk, r_dv, r_dmask)), mask = _run(
+        *CASES[case], transposed=case == "plain")
+    tol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == (B, H, Lq, Dv) and out.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, Lq)
+    _assert_close("out", out, r_out, tol)
+    lse_np = _np(lse)
+    dead = np.isneginf(r_lse)
+    assert (np.isneginf(lse_np) == dead).all(), "fully masked rows must have lse = -inf"
+    _assert_close("lse", lse[torch.from_numpy(~dead)], r_lse[~dead], max(tol, 1e-5))
+    assert not _np(out)[dead].any(), "fully masked rows must output 0"
+    for name, got, want in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
+        assert got.dtype == dtype, name
+        _assert_close(name, got, want, 4 * tol)
+    assert not _np(dq)[dead].any(), "fully masked rows must have dq = 0"
+    if r_dmask is None:
+        assert dmask is None
+    else:
+        assert dmask.dtype == torch.float32 and dmask.shape == (B, H, Lq, Lk)
+        broadcast = [d for d in range(4) if mask.stride(d) == 0 and mask.shape[d] > 1]
+        reduced = dmask.sum(dim=broadcast, keepdim=True) if broadcast else dmask
+        _assert_close("dmask", reduced, r_dmask, 4 * tol)
+    if case == "causal_br_empty_rows":
+        assert dead.any()
+
+
+def test_huge_logits():
+    """Scores around 1e4: the online softmax must neither overflow nor lose the maximum."""
+    (out, lse), grads, ((r_out, r_lse), r_grads), _ = _run(
+        1, 2, 1, 17, 33, 16, 16, True, None, None, 0.0, torch.float32, amp=60.0)
+    assert float(np.abs(r_lse[np.isfinite(r_lse)]).max()) > 1e3
+    _assert_close("out", out, r_out, 1e-2)
+    np.testing.assert_allclose(_np(lse), r_lse, rtol=1e-5)
+    for name, got, want in zip(("dq", "dk", "dv"), grads[:3], r_grads[:3]):
+        _assert_close(name, got, want, 1e-2)
+
+
+@pytest.mark.parametrize("seed", [5, 3_000_000_000, 2**40 + 17])
+def test_dropout_mask_is_the_shared_rng(seed):
+    """With v = I the output is P * keep / (1 - p) exactly: its support is the keep-mask."""
+    B, H, L, p = 2, 3, 17, 0.4
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, 16, generator=g).to(DEVICE)
+    k = torch.randn(B, 1, L, 16, generator=g).to(DEVICE)
+    v = torch.eye(L, device=DEVICE).expand(B, 1, L, L)
+    band = ref.structural_band(L, L)
+    out, lse = attention_forward(q, k, v, None, 0.25, *band, p, seed)
+    keep = ref.dropout_keep_mask(seed, B, H, L, L, p)
+    np.testing.assert_array_equal(_np(out) != 0, keep)
+    probs = np.exp(0.25 * _np(q) @ np.swapaxes(_np(k), -1, -2) - _np(lse)[..., None])
+    np.testing.assert_allclose(_np(out), probs * keep / (1 - p), atol=1e-6)
+    _, lse0 = attention_forward(q, k, v, None, 0.25, *band, 0.0, None)
+    torch.testing.assert_close(lse, lse0, rtol=0, atol=0)
+
+
+def test_dropout_replay():
+    args = _inputs(1, 2, 1, 17, 33, 16, 16, torch.float32)
+    q, k, v, dout = args
+    band = ref.structural_band(17, 33)
+
+    def fwd_bwd(seed):
+        out, lse = attention_forward(q, k, v, None, 0.25, *band, 0.3, seed)
+        grads = attention_backward(dout, q, k, v, out, lse, None, 0.25, *band, 0.3, seed, False)
+        return (out, *grads[:3])
+
+    first, again, other = fwd_bwd(11), fwd_bwd(11), fwd_bwd(12)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], other[0])
+
+
+def _good():
+    q = torch.randn(2, 4, 5, 16, device=DEVICE)
+    k = torch.randn(2, 2, 7, 16, device=DEVICE)
+    v = torch.randn(2, 2, 7, 8, device=DEVICE)
+    return q, k, v
+
+
+BAD = {
+    "rank": (lambda q, k, v: (q[0], k, v, None, 0.0), ValueError, "q must be 4-D"),
+    "batch": (lambda q, k, v: (q, k[:1], v[:1], None, 0.0), ValueError, "batch"),
+    "head_dim": (lambda q, k, v: (q, k[..., :8], v, None, 0.0), ValueError, "head dims differ"),
+    "gqa": (lambda q, k, v: (q[:, :3], k, v, None, 0.0), ValueError, "multiple of kv heads"),
+    "big_head": (lambda q, k, v: (torch.zeros(1, 1, 2, 512), torch.zeros(1, 1, 2, 512),
+                                  torch.zeros(1, 1, 2, 8), None, 0.0), ValueError, "256"),
+    "dtype": (lambda q, k, v: (q.double(), k.double(), v.double(), None, 0.0), TypeError,
+              "float16"),
+    "mixed": (lambda q, k, v: (q.half(), k, v, None, 0.0), TypeError, "share a dtype"),
+    "mask_shape": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 6, dtype=torch.bool), 0.0),
+                   ValueError, "mask must have shape"),
+    "mask_dtype": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 7, dtype=torch.int32), 0.0),
+                   TypeError, "mask must be bool"),
+    "dropout": (lambda q, k, v: (q, k, v, None, 1.0), ValueError, "dropout_p"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_bad_inputs(bad):
+    make, exc, msg = BAD[bad]
+    q, k, v, mask, p = make(*_good())
+    with pytest.raises(exc, match=msg):
+        attention_forward(q, k, v, mask, None, 0, 100, 100, p, 0)
