@@ -20,7 +20,8 @@ from fastattn.ops import (
     scaled_dot_product_attention,
     scaled_masked_softmax,
 )
-from fastattn import nn, reference
+from fastattn import models, nn, reference
+from fastattn.swapping import register_hf, swap, unswap
 
 __version__ = "0.1.0"
 
@@ -32,11 +33,15 @@ __all__ = [
     "backend_status",
     "ffn",
     "layer_norm",
+    "models",
     "nn",
+    "register_hf",
     "reference",
     "register_backend",
     "rms_norm",
     "scaled_dot_product_attention",
     "scaled_masked_softmax",
+    "swap",
+    "unswap",
     "use_backend",
 ]

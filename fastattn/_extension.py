@@ -4,9 +4,10 @@ Importing fastattn works without it: the ``cpu`` and ``cuda`` backends then repo
 unavailable with the reason recorded here.
 """
 
-try:
-    from fastattn import _C  # noqa: F401  (importing registers the ops)
+import importlib
 
+try:
+    importlib.import_module("fastattn._C")  # importing registers the ops
     _ERROR = None
 except ImportError as exc:
     _ERROR = (

@@ -1,8 +1,16 @@
 """Shared test setup: the Triton interpreter on CPU-only machines, poisoned outputs, backends."""
 
 import os
+import sys
+from pathlib import Path
 
-import torch
+# `python -m pytest` puts the repository root on sys.path, where the folder kernels/ (shipped as
+# fastattn.kernels) would stand in for the PyPI package `kernels` that libraries such as
+# transformers probe for. The tests use the installed package instead.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(os.path.abspath(p or ".")).resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Must be set before triton is imported (by fastattn) for the kernels to run on CPU tensors.

@@ -1,0 +1,210 @@
+"""A GPT-2 style decoder-only language model on fastattn's kernels, with a KV cache for generation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastattn.models.config import GPTConfig
+from fastattn.nn.ffn import FeedForward
+from fastattn.nn.norm import LayerNorm
+from fastattn.ops.attention import attention
+
+__all__ = ["GPT", "KVCache"]
+
+
+class KVCache:
+    """Keys and values of every layer for ``length`` positions, preallocated to ``capacity``.
+
+    ``k[i]`` / ``v[i]`` are layer ``i``'s (B, H, capacity, head_dim) buffers; a forward pass over
+    T new tokens writes positions ``length .. length + T - 1`` in every layer, then advances
+    ``length`` by T.
+    """
+
+    def __init__(self, n_layer: int, batch: int, n_head: int, capacity: int, head_dim: int, *, device=None, dtype=None):
+        shape = (batch, n_head, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.capacity = capacity
+        self.length = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store layer ``layer``'s new (B, H, T, D) keys and values; return all keys and values so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class CausalSelfAttention(torch.nn.Module):
+    """Causal multi-head self-attention: ``c_attn`` (fused q, k, v projection), fastattn's
+    attention, ``c_proj``. With a cache the new queries attend every cached key
+    (``causal="bottom_right"``)."""
+
+    def __init__(self, config: GPTConfig, backend: str | None = None, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.backend = backend
+        self.c_attn = torch.nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias, **factory)
+        self.c_proj = torch.nn.Linear(config.n_embd, config.n_embd, bias=config.bias, **factory)
+        self.resid_dropout = torch.nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.unflatten(-1, (self.n_head, -1)).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        y = attention(
+            q, k, v, causal="bottom_right", dropout_p=self.dropout if self.training else 0.0, backend=self.backend
+        )
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig, backend: str | None = None, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        norm = dict(eps=config.layer_norm_eps, bias=config.bias, backend=backend, **factory)
+        self.ln_1 = LayerNorm(config.n_embd, **norm)
+        self.attn = CausalSelfAttention(config, backend, **factory)
+        self.ln_2 = LayerNorm(config.n_embd, **norm)
+        self.mlp = FeedForward(
+            config.n_embd, config.mlp_ratio * config.n_embd, config.activation, bias=config.bias,
+            dropout=config.dropout, backend=backend, **factory,
+        )
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(torch.nn.Module):
+    """GPT-2 style language model: learned token (``transformer.wte``) and position
+    (``transformer.wpe``) embeddings, ``n_layer`` pre-norm blocks ``transformer.h``, a final
+    ``transformer.ln_f`` and ``lm_head`` tied to ``wte``; GPT-2 initialization (normal(0, 0.02),
+    residual projections scaled by ``1/sqrt(2 * n_layer)``). All kernels run on ``backend``.
+    """
+
+    def __init__(self, config: GPTConfig, *, backend: str | None = None, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        factory = {"device": device, "dtype": dtype}
+        self.transformer = torch.nn.ModuleDict(
+            dict(
+                wte=torch.nn.Embedding(config.vocab_size, config.n_embd, **factory),
+                wpe=torch.nn.Embedding(config.block_size, config.n_embd, **factory),
+                drop=torch.nn.Dropout(config.dropout),
+                h=torch.nn.ModuleList(Block(config, backend, **factory) for _ in range(config.n_layer)),
+                ln_f=LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias, backend=backend, **factory),
+            )
+        )
+        self.lm_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False, **factory)
+        self.lm_head.weight = self.transformer.wte.weight  # tied
+        self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, config: GPTConfig | dict, **kwargs) -> "GPT":
+        if isinstance(config, dict):
+            config = GPTConfig.from_dict(config)
+        return cls(config, **kwargs)
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialization."""
+        for module in self.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+            if isinstance(module, torch.nn.LayerNorm):
+                module.reset_parameters()
+        std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.transformer.h:
+            torch.nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=std)
+            torch.nn.init.normal_(block.mlp.fc2.weight, mean=0.0, std=std)
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def new_cache(self, batch: int, capacity: int | None = None) -> KVCache:
+        c = self.config
+        w = self.transformer.wte.weight
+        return KVCache(c.n_layer, batch, c.n_head, capacity or c.block_size, c.n_embd // c.n_head, device=w.device, dtype=w.dtype)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, cache: KVCache | None = None):
+        """Logits (B, T, vocab) for tokens ``idx`` (B, T), and the mean cross-entropy against
+        ``targets`` (B, T; -1 ignored) when given, else None: returns ``(logits, loss)``.
+
+        With ``cache`` the tokens continue the cached sequence: their positions start at
+        ``cache.length``, they attend every cached key, and the cache is extended by them.
+        """
+        B, T = idx.shape
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, cache, i)
+        if cache is not None:
+            cache.length += T
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        greedy: bool = False,
+        *,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Append ``max_new_tokens`` tokens to ``idx`` (B, T), each sampled from the softmax of
+        the last logits divided by ``temperature`` (restricted to the ``top_k`` largest), or
+        their argmax when ``greedy``. The context is the last ``block_size`` tokens.
+
+        With ``use_cache`` (default) the prompt is run once and each step feeds only the new
+        token, attending the cached keys and values (``causal="bottom_right"``); once the
+        sequence outgrows ``block_size``, the positions shift, so the window is recomputed.
+        The tokens equal those of recomputing the whole context every step.
+        """
+        block = self.config.block_size
+        cache = None
+        for _ in range(max_new_tokens):
+            context = idx[:, -block:]
+            if not use_cache:
+                logits, _ = self(context)
+            elif cache is None or cache.length >= block:
+                cache = self.new_cache(idx.shape[0])
+                logits, _ = self(context, cache=cache)
+            else:
+                logits, _ = self(idx[:, -1:], cache=cache)
+            logits = logits[:, -1, :].float()
+            if greedy:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / max(temperature, 1e-8)
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

@@ -1,0 +1,51 @@
+"""``FeedForward``: the transformer MLP ``dropout(fc2(act(fc1(x))))`` as one fused fastattn op."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastattn.ops.ffn import ACTIVATIONS, GATED, ffn
+
+__all__ = ["FeedForward"]
+
+
+class FeedForward(torch.nn.Module):
+    """``dropout(fc2(act(fc1(x))))`` computed by :func:`fastattn.ffn`, then dropout.
+
+    ``fc1`` and ``fc2`` are :class:`torch.nn.Linear` (state_dict keys ``fc1.weight``,
+    ``fc1.bias``, ``fc2.weight``, ``fc2.bias``). ``fc1`` has ``hidden`` outputs, or
+    ``2 * hidden`` for the gated ``swiglu`` / ``geglu`` (rows ``[gate; up]``); ``fc2`` maps
+    ``hidden`` to ``out_features`` (default ``d_model``). Activations: gelu (exact), gelu_tanh,
+    relu, silu, swiglu, geglu.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        dropout: float = 0.0,
+        out_features: int | None = None,
+        backend: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose from {list(ACTIVATIONS)}")
+        factory = {"device": device, "dtype": dtype}
+        self.activation = activation
+        self.backend = backend
+        width = 2 * hidden if activation in GATED else hidden
+        self.fc1 = torch.nn.Linear(d_model, width, bias=bias, **factory)
+        self.fc2 = torch.nn.Linear(hidden, d_model if out_features is None else out_features, bias=bias, **factory)
+        self.dropout = torch.nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = ffn(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation, backend=self.backend)
+        return self.dropout(y)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, backend={self.backend!r}"

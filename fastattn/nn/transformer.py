@@ -1,0 +1,214 @@
+"""Drop-in :class:`torch.nn.TransformerEncoderLayer` / :class:`torch.nn.TransformerDecoderLayer`.
+
+They subclass torch's layers: same constructor (plus ``backend=``), the same submodules
+(``self_attn``, ``multihead_attn``, ``linear1``, ``dropout``, ``linear2``, ``norm1/2/3``,
+``dropout1/2/3``) and state_dict. The attention modules are :class:`fastattn.nn.MultiheadAttention`,
+the norms :class:`fastattn.nn.LayerNorm`, and the feed-forward block is one :func:`fastattn.ffn`
+call whenever the dropout between ``linear1`` and ``linear2`` is inactive (eval mode or
+``dropout=0``); otherwise it runs as separate ops so that dropout sits where PyTorch puts it.
+PyTorch's fused inference fast path is never taken: forward always runs fastattn's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastattn.nn.attention import MultiheadAttention
+from fastattn.nn.norm import LayerNorm
+from fastattn.ops.ffn import ACTIVATIONS, GATED, ffn
+
+__all__ = ["TransformerDecoderLayer", "TransformerEncoderLayer", "activation_name"]
+
+
+def _gated(gate_fn, h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return gate_fn(gate) * up
+
+
+_CALLABLES: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
+    "swiglu": functools.partial(_gated, F.silu),
+    "geglu": functools.partial(_gated, F.gelu),
+}
+
+
+def activation_name(activation) -> str:
+    """The fastattn activation name of ``activation``: a name from ``fastattn.ops.ffn.ACTIVATIONS``,
+    or one of the callables torch's layers accept for them (``F.relu``, ``torch.relu``,
+    ``F.gelu``, ``F.silu``, ``nn.ReLU()``, ``nn.GELU()`` (either approximation), ``nn.SiLU()``).
+    Anything else raises ValueError: the fused FFN only has these activations."""
+    if isinstance(activation, str):
+        if activation in ACTIVATIONS:
+            return activation
+        raise ValueError(f"activation {activation!r} is not supported; choose from {list(ACTIVATIONS)}")
+    if activation in (F.relu, torch.relu) or isinstance(activation, torch.nn.ReLU):
+        return "relu"
+    if activation is F.gelu or (isinstance(activation, torch.nn.GELU) and activation.approximate == "none"):
+        return "gelu"
+    if isinstance(activation, torch.nn.GELU) and activation.approximate == "tanh":
+        return "gelu_tanh"
+    if activation is F.silu or isinstance(activation, torch.nn.SiLU):
+        return "silu"
+    for name, fn in _CALLABLES.items():
+        if activation is fn:
+            return name
+    raise ValueError(
+        f"activation {activation!r} is not supported by fastattn's fused feed-forward; pass one of "
+        f"{list(ACTIVATIONS)} (or F.relu / F.gelu / F.silu / nn.ReLU() / nn.GELU() / nn.SiLU())"
+    )
+
+
+class _FastLayerMixin:
+    """Shared by both layers: the fastattn submodules, the activation and the FFN block."""
+
+    backend: str | None = None
+    activation_name: str = "relu"
+    fused_ffn: bool = True  # False: the feed-forward runs as torch ops with ``self.activation``
+
+    def _fastattn_init(self, activation, backend, dim_feedforward, bias, factory) -> None:
+        self.backend = backend
+        name = activation_name(activation)
+        self.activation_name = name
+        self.activation = _CALLABLES[name]
+        # torch's TransformerEncoder takes its nested-tensor fast path only for relu/gelu layers
+        # (flag 1/2); 0 keeps it off, so our forward always runs.
+        self.activation_relu_or_gelu = 0
+        if name in GATED:  # [gate; up] rows: linear1 produces 2 * dim_feedforward features
+            self.linear1 = torch.nn.Linear(self.linear1.in_features, 2 * dim_feedforward, bias=bias, **factory)
+        _convert_submodules(self, backend)
+
+    def _ff(self, x: Tensor) -> Tensor:
+        """``linear2(dropout(act(linear1(x))))``, fused when that dropout is inactive."""
+        if self.fused_ffn and (not self.training or self.dropout.p == 0):
+            return ffn(
+                x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
+                self.activation_name, backend=self.backend,
+            )
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation_name!r}, backend={self.backend!r}"
+
+
+def _convert_submodules(layer: torch.nn.Module, backend: str | None) -> None:
+    """Turn the layer's torch MultiheadAttention / LayerNorm children into fastattn's (in place,
+    keeping their parameters)."""
+    for name, child in list(layer.named_children()):
+        if type(child) is torch.nn.MultiheadAttention:
+            child.__class__ = MultiheadAttention
+            child.backend = backend
+        elif type(child) is torch.nn.LayerNorm:
+            child.__class__ = LayerNorm
+            child.backend = backend
+
+
+class TransformerEncoderLayer(_FastLayerMixin, torch.nn.TransformerEncoderLayer):
+    """:class:`torch.nn.TransformerEncoderLayer` on fastattn's kernels (see the module docstring).
+
+    ``activation`` is a name (relu, gelu, gelu_tanh, silu, swiglu, geglu; the gated two give
+    ``linear1`` ``2 * dim_feedforward`` outputs) or one of torch's relu / gelu / silu callables.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = "relu",
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        backend: str | None = None,
+    ) -> None:
+        activation_name(activation)  # fail early, with our message
+        super().__init__(
+            d_model, nhead, dim_feedforward, dropout, "relu", layer_norm_eps, batch_first, norm_first,
+            bias, device, dtype,
+        )
+        self._fastattn_init(activation, backend, dim_feedforward, bias, {"device": device, "dtype": dtype})
+
+    def forward(
+        self,
+        src: Tensor,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+            x = self.norm2(x + self._ff_block(x))
+        return x
+
+    def _ff_block(self, x: Tensor) -> Tensor:
+        return self.dropout2(self._ff(x))
+
+
+class TransformerDecoderLayer(_FastLayerMixin, torch.nn.TransformerDecoderLayer):
+    """:class:`torch.nn.TransformerDecoderLayer` on fastattn's kernels (see the module docstring).
+
+    ``tgt_is_causal=True`` applies the causal band to the self-attention even without a
+    ``tgt_mask``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = "relu",
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        backend: str | None = None,
+    ) -> None:
+        activation_name(activation)
+        super().__init__(
+            d_model, nhead, dim_feedforward, dropout, "relu", layer_norm_eps, batch_first, norm_first,
+            bias, device, dtype,
+        )
+        self._fastattn_init(activation, backend, dim_feedforward, bias, {"device": device, "dtype": dtype})
+
+    def forward(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool = False,
+        memory_is_causal: bool = False,
+    ) -> Tensor:
+        x = tgt
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+            x = x + self._mha_block(self.norm2(x), memory, memory_mask, memory_key_padding_mask, memory_is_causal)
+            x = x + self._ff_block(self.norm3(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal))
+            x = self.norm2(x + self._mha_block(x, memory, memory_mask, memory_key_padding_mask, memory_is_causal))
+            x = self.norm3(x + self._ff_block(x))
+        return x
+
+    def _ff_block(self, x: Tensor) -> Tensor:
+        return self.dropout3(self._ff(x))
