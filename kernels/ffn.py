@@ -1,0 +1,403 @@
+"""Feed-forward block ``out = act(x w1^T + b1) w2^T + b2`` and its backward (Triton backend).
+
+Math (``nn.Linear`` layout; gated activations split the first layer's output ``[gate, up]``):
+
+    forward   pre = x w1^T + b1                     (M, F), or (M, 2F) for swiglu / geglu
+              a   = act(pre)                        elementwise; gated: f(gate) * up
+              out = a w2^T + b2                     (M, D2)
+    backward  da   = dout w2                        (M, F)
+              dpre = da * act'(pre)                 gated: [da * up * f'(gate), da * f(gate)]
+              dx = dpre w1,  dw1 = dpre^T x,  db1 = sum_rows dpre
+              dw2 = dout^T a,                       db2 = sum_rows dout
+
+Activations: gelu (exact, erf), gelu_tanh, relu, silu, and the gated swiglu (f = silu) and geglu
+(f = gelu).
+
+Work split: one generic tiled matmul kernel ``C = A B`` (operands read through strides, so
+``w^T`` and ``dpre^T`` are views, never copies) computes every product. Each program owns a
+``BLOCK_M x BLOCK_N`` tile of ``C`` (grouped ordering for L2 reuse), loops over ``K`` in
+``BLOCK_K`` steps with a float32 accumulator, and ends in a constexpr-selected epilogue:
+
+* forward (``ACT_GRAD=False``): ``+ bias``; with an activation the tile's pre-activation is stored
+  to ``Pre`` and ``act`` is applied in registers before the store, so the hidden activation is
+  never re-read by an elementwise pass. Gated: the program accumulates the matching gate and up
+  tiles (rows ``n`` and ``F + n`` of ``w1``) in two accumulators and stores ``f(gate) * up``.
+* activation gradient (``ACT_GRAD=True``, used for ``da = dout w2``): loads the ``pre`` tile,
+  stores ``dpre`` (both halves when gated) and the recomputed activation ``a = act(pre)`` (the
+  operand of ``dw2 = dout^T a``: the recomputation is fused into this epilogue, no separate pass),
+  and optionally (``COLSUM``) the column sums of ``dpre`` over each group of ``PARTIAL_ROWS``
+  rows into a float32 ``(cdiv(M, PARTIAL_ROWS), width)`` buffer. ``db1`` is that buffer's sum over
+  its rows (a small torch ``.sum``), so ``dpre`` is never re-read. The groups do not depend on the
+  tile size, so every buffer row is written by exactly one program whatever config autotuning
+  picks. ``db2 = dout.sum(0)`` is a plain torch reduction in float32 (``dout`` is an input; no
+  kernel produces it).
+
+Backward recomputes ``act`` from the stored ``pre`` rather than keeping ``a``; forward needs ``a``
+for the second matmul, as a temporary freed on return. Forward applies ``act`` to ``pre`` rounded
+to the storage dtype, so the ``a`` recomputed in backward is the ``a`` used in forward.
+
+Tile sizes: autotuned on GPU (key: M, N, K, the epilogue flags and the operand dtypes; configs
+whose activation epilogue would spill registers are pruned first); under ``TRITON_INTERPRET=1`` a
+single small fixed config (decided once at import).
+
+Limits: x, w1, w2, biases and dout share one dtype (float32, float16, bfloat16); any M, D, F, D2
+(masked edges); 2-D operands with any strides. Precision: float32 accumulation and epilogue math;
+outputs rounded once to the input dtype. float32 matmuls use ``input_precision="ieee"`` (exact
+float32 products, no TF32); float16 / bfloat16 use the tensor cores' native products. Under the
+interpreter every product is taken in float32 (its bfloat16 ``tl.dot`` is wrong), which gives the
+same results: 16-bit products are exact in float32.
+"""
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ffn_fwd", "ffn_bwd", "ACTIVATIONS", "GATED_ACTIVATIONS"]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+_IDENTITY, _GELU, _GELU_TANH, _RELU, _SILU = (tl.constexpr(i) for i in range(5))
+#: activation name -> (elementwise activation id, gated)
+_ACT_IDS = {
+    "gelu": (_GELU.value, False), "gelu_tanh": (_GELU_TANH.value, False),
+    "relu": (_RELU.value, False), "silu": (_SILU.value, False),
+    "swiglu": (_SILU.value, True), "geglu": (_GELU.value, True),
+}
+_SQRT1_2: tl.constexpr = tl.constexpr(math.sqrt(0.5))
+_INV_SQRT_2PI: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(math.sqrt(2.0 / math.pi))
+_GELU_TANH_C: tl.constexpr = tl.constexpr(0.044715)
+_THREE_GELU_TANH_C: tl.constexpr = tl.constexpr(3 * 0.044715)
+_TWO_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+if _INTERPRET:
+    _CONFIGS = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4})]
+else:
+    _CONFIGS = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                      num_stages=stages, num_warps=warps)
+        for bm, bn, bk, stages, warps in (
+            (128, 256, 64, 3, 8),
+            (128, 128, 64, 3, 8),
+            (128, 128, 32, 4, 4),
+            (64, 256, 32, 4, 4),
+            (128, 64, 64, 4, 8),
+            (64, 128, 64, 4, 8),
+            (128, 64, 32, 4, 4),
+            (64, 128, 32, 4, 4),
+            (64, 64, 64, 4, 4),
+            (32, 64, 32, 5, 2),
+        )
+    ]
+#: Row-group size of the db1 partial sums: divides every config's BLOCK_M.
+PARTIAL_ROWS = min(c.kwargs["BLOCK_M"] for c in _CONFIGS)
+assert all(c.kwargs["BLOCK_M"] % PARTIAL_ROWS == 0 for c in _CONFIGS)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles whose activation epilogue would spill registers (checked with ptxas, sm_90).
+
+    Plain products keep every config; an activation epilogue keeps <= 64 accumulator values per
+    thread, the gated activation-gradient epilogue (two pre tiles, three outputs) <= 32.
+    """
+    args = {**named_args, **kwargs}
+    if args["ACTIVATION"] == _IDENTITY.value:
+        return configs
+    per_thread = 32 if args["GATED"] and args["ACT_GRAD"] else 64
+    return [c for c in configs
+            if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= per_thread * 32 * c.num_warps]
+
+
+@triton.jit
+def _activation(h, ACTIVATION: tl.constexpr):
+    """f(h) for a (non-identity) elementwise activation id; float32 in and out."""
+    if ACTIVATION == _GELU:
+        f = h * (0.5 + 0.5 * tl.erf(h * _SQRT1_2))
+    elif ACTIVATION == _GELU_TANH:
+        f = h * tl.sigmoid((h + h * h * h * _GELU_TANH_C) * _TWO_SQRT_2_OVER_PI)
+    elif ACTIVATION == _RELU:
+        f = tl.maximum(h, 0.0)
+    else:
+        tl.static_assert(ACTIVATION == _SILU)
+        f = h * tl.sigmoid(h)
+    return f
+
+
+@triton.jit
+def _activation_and_grad(h, ACTIVATION: tl.constexpr):
+    """(f(h), f'(h)) for a (non-identity) elementwise activation id; float32."""
+    if ACTIVATION == _GELU:
+        cdf = 0.5 + 0.5 * tl.erf(h * _SQRT1_2)
+        f = h * cdf
+        df = cdf + h * tl.exp(-0.5 * h * h) * _INV_SQRT_2PI
+    elif ACTIVATION == _GELU_TANH:
+        # 0.5 (1 + tanh(u)) = sigmoid(2u);  0.5 (1 - tanh(u)^2) = 2 s (1 - s)
+        s = tl.sigmoid((h + h * h * h * _GELU_TANH_C) * _TWO_SQRT_2_OVER_PI)
+        f = h * s
+        du = (1.0 + h * h * _THREE_GELU_TANH_C) * _SQRT_2_OVER_PI
+        df = s + 2.0 * h * s * (1.0 - s) * du
+    elif ACTIVATION == _RELU:
+        f = tl.maximum(h, 0.0)
+        df = tl.where(h > 0.0, 1.0, 0.0)
+    else:
+        tl.static_assert(ACTIVATION == _SILU)
+        s = tl.sigmoid(h)
+        f = h * s
+        df = s * (1.0 + h * (1.0 - s))
+    return f, df
+
+
+@triton.jit
+def _store_column_partials(Partial, vals, tile_mask, pid_m, rn, n_ok, n_groups,
+                           stride_partial_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           PARTIAL_ROWS: tl.constexpr):
+    """Column sums of ``vals`` over each group of PARTIAL_ROWS rows of the tile."""
+    GROUPS: tl.constexpr = BLOCK_M // PARTIAL_ROWS
+    vals = tl.where(tile_mask, vals, 0.0)
+    sums = tl.sum(tl.reshape(vals, (GROUPS, PARTIAL_ROWS, BLOCK_N)), axis=1)
+    groups = pid_m * GROUPS + tl.arange(0, GROUPS)
+    ptrs = Partial + groups.to(tl.int64)[:, None] * stride_partial_row + rn[None, :]
+    tl.store(ptrs, sums, mask=(groups < n_groups)[:, None] & n_ok[None, :])
+
+
+@triton.autotune(configs=_CONFIGS,
+                 key=["M", "N", "K", "HAS_BIAS", "ACTIVATION", "GATED", "ACT_GRAD", "COLSUM"],
+                 prune_configs_by={"early_config_prune": _prune_configs})
+@triton.jit
+def _matmul_kernel(
+    A, B, C, Bias, Pre, Act, Partial,
+    M, N, K, n_groups, b_up_offset,
+    stride_a_m, stride_a_k, stride_b_k, stride_b_n, stride_c_m,
+    stride_pre_m, stride_pre_n, stride_act_m, stride_partial_row,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+    ACT_GRAD: tl.constexpr, COLSUM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PARTIAL_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C[M, N] = A[M, K] @ B[K, N] + epilogue (see the module docstring).
+
+    Forward (ACT_GRAD=False): C = act(A B + Bias); a non-identity ACTIVATION also stores
+    A B + Bias to Pre. GATED: B has 2N columns (the up half starts b_up_offset elements after
+    the gate half), C = f(gate) * up and Pre gets both halves.
+    ACT_GRAD: reads Pre (width N, or 2N when GATED), C = dpre (same width), Act = act(Pre) (width
+    N), and with COLSUM the dpre column partial sums go to Partial.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Out-of-range rows / columns wrap onto valid ones, so only the K edge needs load masks;
+    # their results are discarded by the store masks.
+    a_ptrs = A + (rm % M).to(tl.int64)[:, None] * stride_a_m + rk[None, :] * stride_a_k
+    b_ptrs = B + rk[:, None] * stride_b_k + (rn % N).to(tl.int64)[None, :] * stride_b_n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED and not ACT_GRAD:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = rk < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_PRECISION == "ieee":
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if GATED and not ACT_GRAD:
+            b_up = tl.load(b_ptrs + b_up_offset, mask=k_ok[:, None], other=0.0)
+            if DOT_PRECISION == "ieee":
+                b_up = b_up.to(tl.float32)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_a_k
+        b_ptrs += BLOCK_K * stride_b_k
+
+    m_ok = rm < M
+    n_ok = rn < N
+    tile_mask = m_ok[:, None] & n_ok[None, :]
+    rm64 = rm.to(tl.int64)
+    c_ptrs = C + rm64[:, None] * stride_c_m + rn[None, :]
+    if ACT_GRAD:
+        pre_ptrs = Pre + rm64[:, None] * stride_pre_m + rn[None, :] * stride_pre_n
+        act_ptrs = Act + rm64[:, None] * stride_act_m + rn[None, :]
+        f, df = _activation_and_grad(tl.load(pre_ptrs, mask=tile_mask, other=0.0).to(tl.float32),
+                                     ACTIVATION)
+        # Each result is stored as soon as it exists, to keep few tiles live at once.
+        if GATED:
+            up = tl.load(pre_ptrs + N * stride_pre_n, mask=tile_mask, other=0.0).to(tl.float32)
+            tl.store(act_ptrs, (f * up).to(Act.dtype.element_ty), mask=tile_mask)
+            d_up = acc * f
+            tl.store(c_ptrs + N, d_up.to(C.dtype.element_ty), mask=tile_mask)
+            if COLSUM:
+                _store_column_partials(Partial + N, d_up, tile_mask, pid_m, rn, n_ok, n_groups,
+                                       stride_partial_row, BLOCK_M, BLOCK_N, PARTIAL_ROWS)
+            d_pre = acc * up * df
+        else:
+            tl.store(act_ptrs, f.to(Act.dtype.element_ty), mask=tile_mask)
+            d_pre = acc * df
+        tl.store(c_ptrs, d_pre.to(C.dtype.element_ty), mask=tile_mask)
+        if COLSUM:
+            _store_column_partials(Partial, d_pre, tile_mask, pid_m, rn, n_ok, n_groups,
+                                   stride_partial_row, BLOCK_M, BLOCK_N, PARTIAL_ROWS)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(Bias + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != _IDENTITY:
+            pre_ptrs = Pre + rm64[:, None] * stride_pre_m + rn[None, :] * stride_pre_n
+            h = acc.to(Pre.dtype.element_ty)
+            tl.store(pre_ptrs, h, mask=tile_mask)
+            acc = _activation(h.to(tl.float32), ACTIVATION)
+            if GATED:
+                up = acc_up.to(Pre.dtype.element_ty)
+                tl.store(pre_ptrs + N * stride_pre_n, up, mask=tile_mask)
+                acc = acc * up.to(tl.float32)
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=tile_mask)
+
+
+def _matmul(a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
+            activation=_IDENTITY.value, gated=False, act_grad=False):
+    """Launch ``c = a @ b`` (+ epilogue) for views ``a`` (M, K) and ``b`` (K, N or 2N).
+
+    ``n`` is the epilogue's logical width N (half of ``b``'s columns for a gated forward).
+    ``c``, ``act`` and ``partial`` are freshly allocated, contiguous.
+    """
+    M, K = a.shape
+    if M == 0 or n == 0:
+        return
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    pre_strides = pre.stride() if pre is not None else (0, 0)
+    torch.library.wrap_triton(_matmul_kernel)[grid](
+        a, b, c, bias, pre, act, partial,
+        M, n, K, partial.shape[0] if partial is not None else 0,
+        n * b.stride(1) if gated and not act_grad else 0,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+        pre_strides[0], pre_strides[1],
+        act.stride(0) if act is not None else 0,
+        partial.stride(0) if partial is not None else 0,
+        HAS_BIAS=bias is not None, ACTIVATION=activation, GATED=gated, ACT_GRAD=act_grad,
+        COLSUM=partial is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 or _INTERPRET else "tf32",
+        PARTIAL_ROWS=PARTIAL_ROWS,
+    )
+
+
+def _check_matrix(name, t, dtype, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if dtype is None and t.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have x's dtype {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, x on {device}")
+
+
+def _check_ffn(x, w1, w2, pre, dout, activation):
+    """Validate shapes / dtypes; returns (M, D, F, D2, width of pre, activation id, gated)."""
+    if activation not in _ACT_IDS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    act_id, gated = _ACT_IDS[activation]
+    _check_matrix("x", x, None, None)
+    _check_matrix("w1", w1, x.dtype, x.device)
+    _check_matrix("w2", w2, x.dtype, x.device)
+    for name, t in (("pre", pre), ("dout", dout)):
+        if t is not None:
+            _check_matrix(name, t, x.dtype, x.device)
+    M, D = x.shape
+    width = w1.shape[0]
+    if w1.shape[1] != D:
+        raise ValueError(
+            f"w1 {tuple(w1.shape)} must be (F, D) or (2F, D) with D = x.shape[1] = {D}")
+    if gated and width % 2:
+        raise ValueError(
+            f"{activation} needs w1 of shape (2F, D), got {tuple(w1.shape)} (odd rows)")
+    F = width // 2 if gated else width
+    D2 = w2.shape[0]
+    if w2.shape[1] != F:
+        raise ValueError(
+            f"w2 {tuple(w2.shape)} must be (D2, F) with F = {F} (w1 {tuple(w1.shape)}, "
+            f"activation {activation!r})")
+    if pre is not None and tuple(pre.shape) != (M, width):
+        raise ValueError(f"pre must be {(M, width)} (M, w1.shape[0]), got {tuple(pre.shape)}")
+    if dout is not None and tuple(dout.shape) != (M, D2):
+        raise ValueError(f"dout must be {(M, D2)} (M, w2.shape[0]), got {tuple(dout.shape)}")
+    return M, D, F, D2, width, act_id, gated
+
+
+def _check_bias(name, b, length, x):
+    if b is None:
+        return
+    if not isinstance(b, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(b).__name__}")
+    if tuple(b.shape) != (length,):
+        raise ValueError(f"{name} must have shape ({length},), got {tuple(b.shape)}")
+    if b.dtype != x.dtype:
+        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {b.dtype}")
+    if b.device != x.device:
+        raise ValueError(f"{name} is on {b.device}, x on {x.device}")
+
+
+def ffn_fwd(x, w1, b1, w2, b2, activation):
+    """``out = act(x w1^T + b1) w2^T + b2``; returns ``(out, pre)``.
+
+    x (M, D); w1 (F, D), or (2F, D) for swiglu / geglu; w2 (D2, F); b1 (w1.shape[0],) and b2
+    (D2,) or None. ``pre = x w1^T + b1`` (M, w1.shape[0]) is kept for :func:`ffn_bwd`.
+    """
+    M, D, F, D2, width, act_id, gated = _check_ffn(x, w1, w2, None, None, activation)
+    _check_bias("b1", b1, width, x)
+    _check_bias("b2", b2, D2, x)
+    pre = torch.empty((M, width), dtype=x.dtype, device=x.device)
+    a = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, D2), dtype=x.dtype, device=x.device)
+    _matmul(x, w1.t(), a, F, bias=b1, pre=pre, activation=act_id, gated=gated)
+    _matmul(a, w2.t(), out, D2, bias=b2)
+    return out, pre
+
+
+def ffn_bwd(dout, x, w1, w2, pre, activation, output_mask):
+    """Gradients of :func:`ffn_fwd`; returns ``(dx, dw1, db1, dw2, db2)``.
+
+    ``output_mask = [want db1, want db2]``; an unwanted bias gradient is an empty tensor.
+    """
+    if len(output_mask) != 2:
+        raise ValueError(f"output_mask must have 2 entries [db1, db2], got {list(output_mask)}")
+    want_db1, want_db2 = (bool(v) for v in output_mask)
+    M, D, F, D2, width, act_id, gated = _check_ffn(x, w1, w2, pre, dout, activation)
+    opts = dict(dtype=x.dtype, device=x.device)
+    dpre = torch.empty((M, width), **opts)
+    a = torch.empty((M, F), **opts)
+    partial = None
+    if want_db1:
+        partial = torch.empty((triton.cdiv(M, PARTIAL_ROWS), width), dtype=torch.float32,
+                              device=x.device)
+    _matmul(dout, w2, dpre, F, pre=pre, act=a, partial=partial, activation=act_id, gated=gated,
+            act_grad=True)
+    dx = torch.empty((M, D), **opts)
+    dw1 = torch.empty((width, D), **opts)
+    dw2 = torch.empty((D2, F), **opts)
+    _matmul(dpre, w1, dx, D)
+    _matmul(dpre.t(), x, dw1, D)
+    _matmul(dout.t(), a, dw2, F)
+    # Unwanted gradients are empty tensors, one each (op outputs may not alias each other).
+    db1 = partial.sum(0).to(x.dtype) if want_db1 else torch.empty(0, **opts)
+    db2 = dout.sum(0, dtype=torch.float32).to(x.dtype) if want_db2 else torch.empty(0, **opts)
+    return dx, dw1, db1, dw2, db2
