@@ -6,6 +6,8 @@ unavailable with the reason recorded here.
 
 import importlib
 
+import torch  # noqa: F401  (loads libtorch, which the extension links against)
+
 try:
     importlib.import_module("fastattn._C")  # importing registers the ops
     _ERROR = None

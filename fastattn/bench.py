@@ -2,12 +2,13 @@
 
 ``compare(providers, cases)`` times every provider on every case in one process, and reports per
 row: median time and spread, throughput (GB/s or TFLOP/s), the fraction of this device's measured
-peak (copy bandwidth, matmul TFLOP/s — measured once per process), peak memory, the speedup over
-the ``naive`` provider and over the best PyTorch peer, and the largest error against a float64
-reference. A provider that cannot run a case reports why instead of stopping the run.
+peak (copy bandwidth, matmul TFLOP/s in the case's dtype — measured once per process), peak memory
+(GPU), the speedup over the ``naive`` provider and over the best PyTorch peer (providers named
+``torch...``), and the largest error against a float64 reference computed once per case. A provider
+that cannot run a case reports why instead of stopping the run.
 
 Timing: ``triton.testing.do_bench`` on a GPU; on a CPU, the median of repeated wall-clock runs
-(after warm-up) within a time budget per measurement.
+(after a warm-up call) within a time budget per measurement.
 """
 
 from __future__ import annotations
@@ -15,27 +16,41 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
+import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 
-from fastattn.testing import max_error
+from fastattn.testing import max_error, to_numpy
 
 # Providers whose names start with this prefix are PyTorch's own implementations (the peers).
 TORCH_PREFIX = "torch"
+# The eager baseline every speedup is also measured against.
+NAIVE = "naive"
+
+# Seconds of timing per (case, provider) measurement, by device type.
+DEFAULT_BUDGET_S = {"cuda": 0.25, "cpu": 0.12}
 
 
 @dataclasses.dataclass
 class Case:
     """One benchmark case: ``make()`` builds the inputs, each provider is called as ``fn(*inputs)``.
 
-    ``bytes``/``flops`` are the minimum traffic / work of the case (for GB/s, TFLOP/s);
-    ``reference(*inputs)``, if given, returns the float64 result to measure errors against; for a
-    backward mode ``backward`` returns the tensors whose gradients the provider must produce.
+    ``bytes``/``flops`` are the minimum traffic / work of the case (for GB/s, TFLOP/s).
+    ``reference(*inputs)``, if given, returns the float64 forward result (a NumPy array) to measure
+    errors against — or the leading corner of it (e.g. batch 0, head 0 of a big attention), which
+    is then compared with the same corner of each provider's output. In the ``bwd`` and
+    ``fwd_bwd`` modes, ``grad_reference(inputs, dout)`` returns the float64 gradients of the
+    inputs that require grad (in order; None to skip one) for the output gradient ``dout``.
+    ``params`` names the case's knobs (e.g. ``{"L": 1024, "D": 64, "causal": True}``) and
+    ``sweep`` the one plotted along the x axis.
     """
 
     op: str
@@ -46,6 +61,9 @@ class Case:
     bytes: int = 0
     flops: int = 0
     reference: Callable[..., Any] | None = None
+    grad_reference: Callable[..., Any] | None = None
+    params: dict = dataclasses.field(default_factory=dict)
+    sweep: str | None = None
 
 
 @dataclasses.dataclass
@@ -65,7 +83,22 @@ class Result:
     speedup_vs_naive: float | None = None
     speedup_vs_torch: float | None = None
     max_error: float | None = None
+    max_grad_error: float | None = None
     error: str | None = None
+    params: dict = dataclasses.field(default_factory=dict)
+    sweep: str | None = None
+
+    @property
+    def worst_error(self) -> float | None:
+        errs = [e for e in (self.max_error, self.max_grad_error) if e is not None]
+        return max(errs) if errs else None
+
+
+def unchecked(fn: Callable) -> Callable:
+    """Mark a provider whose result is not the op's (e.g. the bare matmuls of an FFN, a floor):
+    it is timed but not compared against the reference."""
+    fn.bench_check = False
+    return fn
 
 
 def _sync(device: torch.device) -> None:
@@ -73,86 +106,199 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], Any], device: torch.device, budget_s: float = 0.25) -> tuple[float, float, float]:
-    """(median, 20th, 80th percentile) milliseconds of ``fn()`` on ``device``."""
+def time_fn(
+    fn: Callable[[], Any], device: torch.device, budget_s: float | None = None, warmup: bool = True
+) -> tuple[float, float, float]:
+    """(median, 20th, 80th percentile) milliseconds of ``fn()`` on ``device``; on a CPU,
+    ``warmup=False`` skips the warm-up call (when the caller has just run ``fn``'s work)."""
+    device = torch.device(device)
+    if budget_s is None:
+        budget_s = DEFAULT_BUDGET_S.get(device.type, 0.25)
     if device.type == "cuda":
         import triton.testing
 
-        med, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], rep=int(budget_s * 400))
+        med, p20, p80 = triton.testing.do_bench(
+            fn, quantiles=[0.5, 0.2, 0.8], warmup=max(1, int(budget_s * 100)), rep=max(1, int(budget_s * 400))
+        )
         return med, p20, p80
-    fn()  # warm-up (first-call allocations, lazy initialization)
+    if warmup:
+        fn()  # warm-up (first-call allocations, lazy initialization)
     times: list[float] = []
     deadline = time.perf_counter() + budget_s
-    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+    # Until the budget is spent with at least 5 samples (3 once 3x the budget is spent), or 200.
+    while True:
+        now = time.perf_counter()
+        if len(times) >= 200 or (len(times) >= 5 and now >= deadline):
+            break
+        if len(times) >= 3 and now >= deadline + 2 * budget_s:
+            break
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    q = statistics.quantiles(times, n=10)
+    q = statistics.quantiles(times, n=10, method="inclusive")
     return statistics.median(times), q[1], q[7]
 
 
-_PEAKS: dict[str, dict[str, float]] = {}
+_PEAKS: dict[tuple[str, str], dict[str, Any]] = {}
 
 
-def measure_peaks(device: torch.device) -> dict[str, float]:
-    """This device's copy bandwidth (GB/s, read + write) and matmul TFLOP/s, measured once."""
-    key = str(device)
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """This device's copy bandwidth (GB/s, read + write) and matmul TFLOP/s in ``dtype``
+    (default: bfloat16 on a GPU, float32 on a CPU), measured once per process."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    key = (str(device), str(dtype))
     if key not in _PEAKS:
-        n = (256 if device.type == "cuda" else 32) * 2**20
-        src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
-        dst = torch.empty_like(src)
-        ms, _, _ = time_fn(lambda: dst.copy_(src), device)
-        copy = 2 * src.numel() * 4 / ms / 1e6
+        copy = next((p["copy_gbps"] for (dev, _), p in _PEAKS.items() if dev == str(device)), None)
+        if copy is None:
+            n = (256 if device.type == "cuda" else 16) * 2**20
+            src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+            dst = torch.empty_like(src)
+            ms, _, _ = time_fn(lambda: dst.copy_(src), device, budget_s=0.1)
+            copy = 2 * src.numel() * 4 / ms / 1e6
+            del src, dst
         size = 8192 if device.type == "cuda" else 1024
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        ms, _, _ = time_fn(lambda: a @ b, device)
-        _PEAKS[key] = {"copy_gbps": copy, "matmul_tflops": 2 * size**3 / ms / 1e9, "matmul_dtype": str(dtype)}
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        ms, _, _ = time_fn(lambda: a @ b, device, budget_s=0.1)
+        _PEAKS[key] = {"copy_gbps": copy, "matmul_tflops": 2 * size**3 / ms / 1e9, "matmul_dtype": str(dtype).replace("torch.", "")}
     return _PEAKS[key]
 
 
-def _grads_of(out, inputs):
-    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-    grads = [torch.ones_like(o) for o in outs]
-    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+def measured_peaks() -> dict[str, dict[str, Any]]:
+    """Every peak measured so far in this process, keyed ``"<device> <dtype>"``."""
+    return {f"{dev} {dt.replace('torch.', '')}": dict(p) for (dev, dt), p in _PEAKS.items()}
 
 
-def run_case(case: Case, providers: dict[str, Callable], device: torch.device) -> list[Result]:
-    peaks = measure_peaks(device)
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _leaves(inputs) -> list[torch.Tensor]:
+    return [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _grads_of(out, inputs, dout):
+    """A closure computing the gradients of the inputs that require grad, for ``out``'s first
+    tensor with output gradient ``dout`` (the graph is kept, so it can be called repeatedly)."""
+    leaves = _leaves(inputs)
+    first = _first(out)
+    return lambda: torch.autograd.grad([first], leaves, [dout], retain_graph=True, allow_unused=True)
+
+
+def output_grad(out, device: torch.device) -> torch.Tensor:
+    """The output gradient of a backward measurement: seeded standard normal, like ``out``'s
+    first tensor (random rather than ones, which would make e.g. softmax's gradient vanish)."""
+    first = _first(out)
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(first.shape, generator=gen).to(device=device, dtype=first.dtype)
+
+
+def timed_call(mode: str, fn: Callable, inputs: tuple, out=None, dout=None) -> Callable[[], Any]:
+    """What is timed in ``mode``: the forward ``fn(*inputs)``; the backward of ``out`` (an output
+    of ``fn(*inputs)``, its graph kept); or a forward and its backward."""
+    if mode == "fwd":
+        return lambda: fn(*inputs)
+    if mode == "bwd":
+        return _grads_of(out, inputs, dout)
+    if mode != "fwd_bwd":
+        raise ValueError(f"unknown mode {mode!r}: choose from fwd, bwd, fwd_bwd")
+
+    def both():
+        _grads_of(fn(*inputs), inputs, dout)()
+
+    return both
+
+
+def _corner(t: torch.Tensor, ref) -> torch.Tensor:
+    """The leading corner of ``t`` with ``ref``'s shape (all of ``t`` when the shapes match)."""
+    if tuple(t.shape) == tuple(ref.shape) or t.dim() != len(ref.shape):
+        return t
+    return t[tuple(slice(0, n) for n in ref.shape)]
+
+
+def _error_message(exc: BaseException, caught: list) -> str:
+    msg = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {msg[0][:160] if msg else ''}"
+    # torch explains why a forced SDPA kernel cannot run in warnings, not in the error.
+    reasons = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+    reasons = [r for r in reasons if "not used because" in r or "kernel" in r.lower()]
+    if reasons:
+        text += f" ({reasons[0][:160]})"
+    return text
+
+
+class _ProviderError(Exception):
+    """A provider's first call failed; the message is the formatted reason."""
+
+
+def run_case(
+    case: Case, providers: dict[str, Callable], device: torch.device, budget_s: float | None = None
+) -> list[Result]:
+    device = torch.device(device)
+    peaks = measure_peaks(device, case.dtype)
     inputs = case.make()
-    ref = None
-    if case.reference is not None:
-        ref = case.reference(*inputs)
+    ref = grad_ref = None
+    dout = None
+    ref_error = None
+    try:
+        if case.reference is not None:
+            ref = case.reference(*inputs)
+    except Exception as exc:  # a reference that cannot run leaves the error column empty
+        ref_error = exc
     rows = []
     for name, fn in providers.items():
-        row = Result(case.op, case.shape, str(case.dtype).replace("torch.", ""), case.mode, name)
+        row = Result(
+            case.op, case.shape, str(case.dtype).replace("torch.", ""), case.mode, name,
+            params=dict(case.params), sweep=case.sweep,
+        )
         try:
             if device.type == "cuda":
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 base_mem = torch.cuda.memory_allocated(device)
-            out = fn(*inputs)
-            if ref is not None:
-                first = out[0] if isinstance(out, (tuple, list)) else out
-                row.max_error = max_error(first, ref)
-            if case.mode == "fwd":
-                call = lambda: fn(*inputs)  # noqa: E731
-            elif case.mode == "bwd":
-                call = _grads_of(out, inputs)
-            else:
-
-                def call():
-                    _grads_of(fn(*inputs), inputs)()
-
-            row.ms, row.ms_p20, row.ms_p80 = time_fn(call, device)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    out = fn(*inputs)
+                    if case.mode != "fwd":
+                        if dout is None:
+                            dout = output_grad(out, device)
+                        grads = _grads_of(out, inputs, dout)()
+                except Exception as exc:
+                    raise _ProviderError(_error_message(exc, caught)) from exc
+            check = getattr(fn, "bench_check", True)
+            if check and ref is not None:
+                first = _first(out)
+                row.max_error = max_error(_corner(first, ref), ref)
+            if check and case.mode != "fwd" and case.grad_reference is not None:
+                if grad_ref is None:
+                    try:
+                        grad_ref = case.grad_reference(inputs, to_numpy(dout))
+                    except Exception:
+                        grad_ref = []
+                errs = [max_error(_corner(g, r), r) for g, r in zip(grads, grad_ref) if r is not None and g is not None]
+                row.max_grad_error = max(errs) if errs else None
+            call = timed_call(case.mode, fn, inputs, out, dout)
+            if case.mode != "bwd":
+                out = None
+            # The first call above (with its backward) was the warm-up.
+            row.ms, row.ms_p20, row.ms_p80 = time_fn(call, device, budget_s, warmup=False)
             if device.type == "cuda":
                 row.peak_mem_mb = (torch.cuda.max_memory_allocated(device) - base_mem) / 2**20
         except Exception as exc:  # a provider that cannot run a case says why; the run goes on
-            if device.type == "cuda" and isinstance(exc, torch.OutOfMemoryError):
+            if isinstance(exc, _ProviderError):
+                row.error = str(exc)
+            else:
+                row.error = _error_message(exc, [])
+            if device.type == "cuda" and isinstance(exc.__cause__ or exc, torch.OutOfMemoryError):
                 torch.cuda.empty_cache()
-            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        finally:
+            call = grads = out = None  # noqa: F841  (free the graph before the next provider)
         if row.ms:
             if case.bytes:
                 row.gbps = case.bytes / row.ms / 1e6
@@ -161,7 +307,9 @@ def run_case(case: Case, providers: dict[str, Callable], device: torch.device) -
                 row.tflops = case.flops / row.ms / 1e9
                 row.peak_fraction = row.tflops / peaks["matmul_tflops"]
         rows.append(row)
-    naive = next((r.ms for r in rows if r.provider == "naive" and r.ms), None)
+    if ref_error is not None and rows:
+        print(f"fastattn bench: the reference of {case.op} {case.shape} {case.mode} failed: {ref_error}", file=sys.stderr)
+    naive = next((r.ms for r in rows if r.provider == NAIVE and r.ms), None)
     peer = min((r.ms for r in rows if r.provider.startswith(TORCH_PREFIX) and r.ms), default=None)
     for r in rows:
         if r.ms and naive:
@@ -177,20 +325,21 @@ def compare(
     *,
     device: torch.device | str | None = None,
     progress: bool = True,
+    budget_s: float | None = None,
 ) -> list[Result]:
     """Time every provider on every case; returns one :class:`Result` per (case, provider)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     results: list[Result] = []
     bar = None
-    if progress:
+    if progress and cases:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(cases), desc="bench", leave=False)
+            bar = tqdm(total=len(cases), desc=f"bench {cases[0].op}", leave=False)
         except ImportError:
             pass
     for case in cases:
-        results.extend(run_case(case, providers, device))
+        results.extend(run_case(case, providers, device, budget_s))
         if bar is not None:
             bar.update()
     if bar is not None:
@@ -198,16 +347,33 @@ def compare(
     return results
 
 
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """Device name, versions, date and git commit, recorded with every result."""
+    import fastattn
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "fastattn": fastattn.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
+        "device_type": device.type,
     }
+    if hasattr(os, "getloadavg"):  # other work on the machine skews CPU timings: record it
+        env["loadavg"] = [round(v, 2) for v in os.getloadavg()]
     try:
         import triton
 
@@ -225,14 +391,14 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             env["driver"] = None
     else:
-        env["device"] = platform.processor() or _cpu_name()
-    try:
-        env["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["commit"] = None
-    env["peaks"] = measure_peaks(device)
+        env["device"] = _cpu_name()
+        env["cpus"] = os.cpu_count()
+    env["commit"] = _git("rev-parse", "--short", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    env["commit_dirty"] = None if status is None else bool(status)
+    env["backends"] = fastattn.available_backends()
+    measure_peaks(device)
+    env["peaks"] = measured_peaks()
     return env
 
 
@@ -244,52 +410,194 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.machine()
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: tables, JSON, plots.
 
 
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-COLUMNS = ["op", "shape", "dtype", "mode", "provider", "ms (p20-p80)", "GB/s", "TFLOP/s", "% peak",
-           "x naive", "x torch", "max err"]
+def _fmt_ms(r: Result) -> str:
+    return f"{r.ms:.3f} ({r.ms_p20:.3f}-{r.ms_p80:.3f})"
 
 
-def table_rows(results: Sequence[Result]) -> list[list[str]]:
+def columns(results: Sequence[Result]) -> list[str]:
+    cols = ["shape", "dtype", "mode", "provider", "ms (p20-p80)"]
+    if any(r.tflops is not None for r in results):
+        cols.append("TFLOP/s")
+    if any(r.gbps is not None and r.tflops is None for r in results):
+        cols.append("GB/s")
+    cols.append("% peak")
+    if any(r.peak_mem_mb is not None for r in results):
+        cols.append("mem MB")
+    return cols + ["x naive", "x torch", "max err"]
+
+
+def table_rows(results: Sequence[Result], cols: Sequence[str] | None = None) -> list[list[str]]:
+    cols = list(cols or columns(results))
     rows = []
     for r in results:
+        cells = {"shape": r.shape, "dtype": r.dtype, "mode": r.mode, "provider": r.provider}
         if r.error:
-            rows.append([r.op, r.shape, r.dtype, r.mode, r.provider, r.error, *["-"] * 6])
-            continue
-        rows.append([
-            r.op, r.shape, r.dtype, r.mode, r.provider,
-            f"{r.ms:.3f} ({r.ms_p20:.3f}-{r.ms_p80:.3f})",
-            _fmt(r.gbps, ".1f"), _fmt(r.tflops, ".2f"),
-            _fmt(None if r.peak_fraction is None else 100 * r.peak_fraction, ".0f"),
-            _fmt(r.speedup_vs_naive, ".2f"), _fmt(r.speedup_vs_torch, ".2f"), _fmt(r.max_error, ".1e"),
-        ])
+            cells["ms (p20-p80)"] = r.error if len(r.error) <= 64 else r.error[:61] + "..."
+        else:
+            cells.update({
+                "ms (p20-p80)": _fmt_ms(r),
+                "TFLOP/s": _fmt(r.tflops, ".3f"),
+                "GB/s": _fmt(r.gbps, ".1f"),
+                "% peak": _fmt(None if r.peak_fraction is None else 100 * r.peak_fraction, ".0f"),
+                "mem MB": _fmt(r.peak_mem_mb, ".0f"),
+                "x naive": _fmt(r.speedup_vs_naive, ".2f"),
+                "x torch": _fmt(r.speedup_vs_torch, ".2f"),
+                "max err": _fmt(r.worst_error, ".1e"),
+            })
+        rows.append([cells.get(c, "-") for c in cols])
     return rows
 
 
+def _case_key(r: Result) -> tuple:
+    return (r.op, r.shape, r.dtype, r.mode)
+
+
 def print_table(results: Sequence[Result], title: str = "fastattn bench") -> None:
-    rows = table_rows(results)
+    """One table per op; providers of one case are grouped, the fastest time is highlighted."""
+    ops = list(dict.fromkeys(r.op for r in results))
     try:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+        Console = None
+    if Console is None:
         print(title)
-        for line in [COLUMNS, *rows]:
-            print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
-        return
-    table = Table(title=title)
-    for c in COLUMNS:
-        table.add_column(c, justify="left" if c in ("op", "shape", "dtype", "mode", "provider") else "right")
-    for r in rows:
-        table.add_row(*r)
-    Console().print(table)
+    else:
+        console = Console(width=max(160, Console().width))
+        console.print(Text(title, style="bold"))
+    for op in ops:
+        rs = [r for r in results if r.op == op]
+        cols = columns(rs)
+        rows = table_rows(rs, cols)
+        if Console is None:
+            widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+            print(f"\n{op}")
+            for line in [cols, *rows]:
+                print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+            continue
+        best = {}
+        for r in rs:
+            if r.ms and (_case_key(r) not in best or r.ms < best[_case_key(r)]):
+                best[_case_key(r)] = r.ms
+        table = Table(title=op, title_justify="left")
+        for c in cols:
+            left = c in ("shape", "dtype", "mode", "provider")
+            table.add_column(c, justify="left" if left else "right", overflow="fold",
+                             no_wrap=c in ("shape", "provider", "dtype", "mode"))
+        for i, (r, row) in enumerate(zip(rs, rows)):
+            last = i + 1 == len(rs) or _case_key(rs[i + 1]) != _case_key(r)
+            style = None
+            if r.error:
+                style = "dim"
+            elif r.ms == best.get(_case_key(r)):
+                style = "bold green"
+            elif r.provider.startswith("fastattn"):
+                style = "bold"
+            table.add_row(*(Text(cell) for cell in row), style=style, end_section=last)
+        console.print(table)
+
+
+def to_dict(results: Sequence[Result], env: dict[str, Any]) -> dict[str, Any]:
+    return {"environment": env, "results": [dataclasses.asdict(r) for r in results]}
 
 
 def write_json(path: str, results: Sequence[Result], env: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump({"environment": env, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    data = to_dict(results, env)
+    with open(path, "w") as f:  # one result per line: readable, and diffs stay small
+        f.write('{"environment": ' + json.dumps(data["environment"], indent=1, default=str) + ',\n "results": [\n')
+        f.write(",\n".join("  " + json.dumps(row, default=str) for row in data["results"]))
+        f.write("\n ]}\n")
+
+
+def load_json(path: str) -> tuple[list[Result], dict[str, Any]]:
+    """The results and environment of a file written by :func:`write_json`."""
+    with open(path) as f:
+        data = json.load(f)
+    names = {f.name for f in dataclasses.fields(Result)}
+    results = [Result(**{k: v for k, v in row.items() if k in names}) for row in data["results"]]
+    return results, data.get("environment", {})
+
+
+def _panel_key(r: Result) -> tuple:
+    rest = tuple(sorted((k, v) for k, v in r.params.items() if k != r.sweep))
+    return (r.op, r.dtype, r.mode, rest)
+
+
+def _panel_title(key: tuple) -> str:
+    op, dtype, mode, rest = key
+    parts = []
+    for k, v in rest:
+        if isinstance(v, bool):
+            parts.append(k if v else f"no {k}")
+        else:
+            parts.append(f"{k}={v}")
+    return f"{op} {mode} {dtype}" + (f"\n{', '.join(parts)}" if parts else "")
+
+
+def plot(results: Sequence[Result], path: str, title: str | None = None) -> str:
+    """Throughput (TFLOP/s, or GB/s for memory-bound ops) against the swept size (sequence
+    length, row length ...), one line per provider, one panel per op / mode / head dim / mask.
+    Needs matplotlib; raises ImportError with an install hint without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(
+            "--plot needs matplotlib: pip install matplotlib (or pip install -e '.[bench]')"
+        ) from exc
+    panels: dict[tuple, list[Result]] = {}
+    for r in results:
+        if r.sweep and r.sweep in r.params and r.ms:
+            panels.setdefault(_panel_key(r), []).append(r)
+    if not panels:
+        raise ValueError("no successful results with a swept size to plot")
+    n = len(panels)
+    ncols = min(4, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
+    providers = list(dict.fromkeys(r.provider for rs in panels.values() for r in rs))
+    cmap = plt.get_cmap("tab10" if len(providers) <= 10 else "tab20")
+    colors = {p: cmap(i % cmap.N) for i, p in enumerate(providers)}
+    for ax, (key, rs) in zip(axes.flat, panels.items()):
+        flops = any(r.tflops is not None for r in rs)
+        for p in providers:
+            pts = sorted((r.params[r.sweep], r.tflops if flops else r.gbps) for r in rs if r.provider == p)
+            pts = [(x, y) for x, y in pts if y is not None]
+            if not pts:
+                continue
+            style = "-" if p.startswith("fastattn") else ("--" if p == NAIVE else ":")
+            width = 2.2 if p.startswith("fastattn") else 1.3
+            ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", ms=3, lw=width,
+                    color=colors[p], label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(rs[0].sweep)
+        ax.set_ylabel("TFLOP/s" if flops else "GB/s")
+        ax.set_title(_panel_title(key), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,12 +1,22 @@
 """The benchmark cases and providers of each op, shared by ``fastattn bench`` and ``bench/``.
 
-A suite is ``suite(device, dtype, modes, quick) -> (providers, cases)``. Providers are named
-``fastattn-<backend>`` for our backends, ``naive`` for the eager baseline, and ``torch...`` for
-PyTorch's own implementations (the peers whose best time gives the ``x torch`` column).
+A suite is ``suite(device, dtype, modes, quick, options=None) -> (providers, cases)``. Providers
+are named ``fastattn-<backend>`` for our compiled backends (whatever :func:`fastattn_backends`
+finds at run time), ``naive`` for the eager baseline (fastattn's ``naive`` backend), ``torch...``
+for PyTorch's own implementations (the peers whose best time gives the ``x torch`` column), and
+anything else for reference points that are not the op (the bare matmuls of an FFN: its floor).
+
+Sizes depend on the device: on a GPU the full grid (attention D in {64, 128, 256},
+L in {512 ... 16384}, B = 16k tokens / L, H = 2048 / D, causal or not, padding mask and float bias;
+bfloat16), on a CPU small shapes that finish in about a minute, and a hidden ``tiny`` preset for
+the tests. ``Options`` narrows the grid (``--seq``, ``--d``, ``--causal``, ``--mask`` ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import itertools
 from typing import Callable
 
 import torch
@@ -14,8 +24,28 @@ import torch.nn.functional as F
 
 import fastattn
 from fastattn import backends, reference
-from fastattn.bench import Case
+from fastattn.bench import Case, unchecked
 from fastattn.testing import to_numpy
+
+# Float64 NumPy references above this many elements (attention: score elements B*H*Lq*Lk) are
+# computed on a leading corner only (batch 0, head 0), and skipped when even that is larger.
+REFERENCE_FULL_ELEMENTS = 2**24
+REFERENCE_MAX_ELEMENTS = 2**26
+
+MASKS = ("none", "padding", "bias")
+MODES = ("fwd", "bwd", "fwd_bwd")
+
+
+@dataclasses.dataclass
+class Options:
+    """What narrows or widens a suite's default grid (None = the device's default)."""
+
+    seqs: list[int] | None = None  # attention sequence lengths; softmax row lengths
+    dims: list[int] | None = None  # attention head dims
+    causal: list[bool] | None = None  # attention / softmax: causal, not, or both
+    masks: list[str] | None = None  # attention / softmax: none, padding (bool), bias (float)
+    compile: bool | None = None  # include torch.compile / FlexAttention peers (default: on a GPU)
+    tiny: bool = False  # minimal shapes (tests)
 
 
 def fastattn_backends(op: str, device: torch.device) -> list[str]:
@@ -32,12 +62,65 @@ def fastattn_backends(op: str, device: torch.device) -> list[str]:
     return names
 
 
-def layer_norm_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool):
-    if device.type == "cuda":
-        shapes = [(4096, 1024), (4096, 4096), (4096, 8192), (2048, 16384), (512, 65536)]
-    else:
-        shapes = [(4096, 256), (2048, 1024), (256, 8192)]
-    if quick:
+def _options(options: Options | None, device: torch.device) -> Options:
+    o = dataclasses.replace(options) if options is not None else Options()
+    if o.compile is None:
+        o.compile = device.type == "cuda" and not o.tiny
+    return o
+
+
+def _preset(device: torch.device, o: Options) -> str:
+    return "tiny" if o.tiny else ("gpu" if device.type == "cuda" else "cpu")
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+_DYNAMO_CONFIGURED = False
+
+
+def compiled(fn: Callable, **kwargs) -> Callable:
+    """``torch.compile(fn)``, compiled on first call; each new shape compiles anew (the
+    recompile limits are raised so that a long grid never falls back to eager silently)."""
+    global _DYNAMO_CONFIGURED
+    if not _DYNAMO_CONFIGURED:
+        from torch import _dynamo
+
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(_dynamo.config, name):
+                setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), 4096))
+        _DYNAMO_CONFIGURED = True
+    return torch.compile(fn, dynamic=False, **kwargs)
+
+
+def _np(t):
+    """A tensor as a float64 NumPy array — a bool mask stays bool (True = keep) for the reference."""
+    if t is None:
+        return None
+    if t.dtype == torch.bool:
+        return t.detach().cpu().numpy()
+    return to_numpy(t)
+
+
+def _random(shape, device, dtype, grad, gen, scale=1.0):
+    t = (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+    return t.requires_grad_(grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer norm: GB/s.
+
+
+def layer_norm_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    o = _options(options, device)
+    preset = _preset(device, o)
+    shapes = {
+        "gpu": [(4096, 1024), (4096, 4096), (4096, 8192), (2048, 16384), (512, 65536)],
+        "cpu": [(4096, 256), (2048, 1024), (256, 8192)],
+        "tiny": [(64, 32), (16, 128)],
+    }[preset]
+    if quick and preset != "tiny":
         shapes = shapes[:2]
 
     def naive(x, w, b):
@@ -49,27 +132,525 @@ def layer_norm_suite(device: torch.device, dtype: torch.dtype, modes, quick: boo
     }
     providers["naive"] = naive
     providers["torch"] = lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b)
-    if not quick or device.type == "cuda":
-        providers["torch.compile(naive)"] = torch.compile(naive, dynamic=False)
+    if o.compile:
+        providers["torch.compile(naive)"] = compiled(naive)
+
+    def ref(x, w, b):
+        return reference.layer_norm(to_numpy(x), x.shape[-1:], to_numpy(w), to_numpy(b))[0]
+
+    def grad_ref(inputs, dout):
+        x, w, _b = inputs
+        return list(reference.layer_norm_backward(dout, to_numpy(x), x.shape[-1:], to_numpy(w)))
 
     cases = []
-    elt = torch.empty(0, dtype=dtype).element_size()
+    elt = _elt(dtype)
     for m, n in shapes:
         for mode in modes:
             traffic = {"fwd": 2, "bwd": 3, "fwd_bwd": 5}[mode] * m * n * elt
 
             def make(m=m, n=n, mode=mode):
                 grad = mode != "fwd"
-                x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=grad)
-                w = torch.randn(n, device=device, dtype=dtype, requires_grad=grad)
-                b = torch.randn(n, device=device, dtype=dtype, requires_grad=grad)
+                gen = torch.Generator().manual_seed(m * 7 + n)
+                x = _random((m, n), device, dtype, grad, gen)
+                w = _random((n,), device, dtype, grad, gen)
+                b = _random((n,), device, dtype, grad, gen)
                 return x, w, b
 
-            def ref(x, w, b):
-                return reference.layer_norm(to_numpy(x), x.shape[-1:], to_numpy(w), to_numpy(b))[0]
-
-            cases.append(Case("layer_norm", f"{m}x{n}", dtype, mode, make, bytes=traffic, reference=ref))
+            big = m * n > REFERENCE_MAX_ELEMENTS
+            cases.append(Case(
+                "layer_norm", f"{m}x{n}", dtype, mode, make, bytes=traffic,
+                reference=None if big else ref, grad_reference=None if big else grad_ref,
+                params={"N": n}, sweep="N",
+            ))
     return providers, cases
 
 
-SUITES = {"layer_norm": layer_norm_suite}
+# ---------------------------------------------------------------------------------------------
+# Attention: TFLOP/s = 4 * B * H * Lq * Lk * D (halved when causal), x2.5 backward, x3.5 both.
+
+
+def attention_flops(b: int, h: int, lq: int, lk: int, d: int, causal: bool, mode: str) -> int:
+    flops = 4 * b * h * lq * lk * d
+    if causal:
+        flops //= 2
+    return int(flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode])
+
+
+@dataclasses.dataclass
+class AttentionAux:
+    """Per-case extras every attention provider receives after (q, k, v, mask): the flags, the
+    mask merged with the causal band for SDPA (which takes one or the other), and what
+    FlexAttention needs (built on a provider's first, untimed call)."""
+
+    causal: bool
+    kind: str  # none, padding, bias
+    sdpa_mask: torch.Tensor | None
+    sdpa_causal: bool
+    lengths: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    flex: dict = dataclasses.field(default_factory=dict)
+
+
+def _padding_lengths(b: int, lk: int) -> list[int]:
+    """Valid key lengths per batch element: from nearly all keys down to half of them."""
+    return [lk - ((i + 1) * lk) // (2 * b) for i in range(b)]
+
+
+def _attention_grid(device, o: Options, quick: bool):
+    """(B, H, L, D, causal, mask) tuples of the attention grid."""
+    preset = _preset(device, o)
+    if preset == "gpu":
+        dims, seqs, tokens, width = [64, 128, 256], [512, 1024, 2048, 4096, 8192, 16384], 16384, 2048
+        if quick:
+            dims, seqs = [64, 128], [1024, 4096, 16384]
+    elif preset == "cpu":
+        dims, seqs, tokens, width = [64], [256, 512, 1024], 1024, 256
+        if quick:
+            seqs = [256, 1024]
+    else:
+        dims, seqs, tokens, width = [16], [32, 64], 64, 32
+    dims, seqs = o.dims or dims, o.seqs or seqs
+    if o.causal is not None or o.masks is not None:
+        variants = list(itertools.product(o.causal or [False, True], o.masks or ["none"]))
+        masked_at = None
+    else:
+        variants = [(False, "none"), (True, "none")]
+        # Masks (non-causal; the band is covered above) at one head dim / length, not the product.
+        masked_at = {"gpu": ("D", 128 if 128 in dims else dims[0]),
+                     "cpu": ("L", seqs[len(seqs) // 2]),
+                     "tiny": ("L", seqs[-1])}[preset]
+    # The tiny preset (tests) covers both masks with the causal band too.
+    masked_variants = [(True, "padding"), (True, "bias")] if preset == "tiny" else [(False, "padding"), (False, "bias")]
+    grid = []
+    for d in dims:
+        h = max(1, width // d)
+        for L in seqs:
+            b = max(1, tokens // L)
+            extra = []
+            if masked_at is not None and {"D": d, "L": L}[masked_at[0]] == masked_at[1]:
+                extra = masked_variants
+            for causal, mask in variants + extra:
+                grid.append((b, h, L, d, causal, mask))
+    return grid
+
+
+def _sdpa(backend=None):
+    if backend is None:
+        def fn(q, k, v, mask, aux):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=aux.sdpa_mask, is_causal=aux.sdpa_causal)
+
+        return fn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = getattr(SDPBackend, backend)
+    cuda_only = backend in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+    def forced(q, k, v, mask, aux):
+        if cuda_only and q.device.type == "cpu":
+            raise NotImplementedError("a CUDA-only SDPA kernel (CPU has flash, math)")
+        with sdpa_kernel(kind):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=aux.sdpa_mask, is_causal=aux.sdpa_causal)
+
+    return forced
+
+
+def _flex_provider() -> Callable:
+    """FlexAttention (compiled), with the case's mask as a BlockMask (causal, padding) and a
+    score_mod (float bias)."""
+    state: dict = {}
+
+    def flex(q, k, v, mask, aux):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if "fn" not in state:
+            state["fn"] = compiled(flex_attention)
+        if "args" not in aux.flex:
+            B, _, Lq, _ = q.shape
+            Lk = k.shape[2]
+            causal, lengths, bias = aux.causal, aux.lengths, aux.bias
+
+            def padded(b, h, qi, kv):
+                ok = kv < lengths[b]
+                return ok & (qi >= kv) if causal else ok
+
+            def lower(b, h, qi, kv):
+                return qi >= kv
+
+            def add_bias(score, b, h, qi, kv):
+                return score + bias[0, 0, qi, kv]
+
+            mask_mod = padded if lengths is not None else (lower if causal else None)
+            block_mask = None
+            if mask_mod is not None:
+                block_mask = create_block_mask(mask_mod, B if lengths is not None else None, None, Lq, Lk, device=q.device)
+            score_mod = add_bias if bias is not None else None
+            aux.flex["args"] = {"block_mask": block_mask, "score_mod": score_mod}
+        return state["fn"](q, k, v, **aux.flex["args"])
+
+    return flex
+
+
+def attention_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    o = _options(options, device)
+
+    def ours(name):
+        return lambda q, k, v, mask, aux: fastattn.attention(q, k, v, mask, causal=aux.causal, backend=name)
+
+    def naive(q, k, v, mask, aux):
+        return fastattn.attention(q, k, v, mask, causal=aux.causal, backend="naive")
+
+    providers: dict[str, Callable] = {f"fastattn-{n}": ours(n) for n in fastattn_backends("attention", device)}
+    providers["naive"] = naive
+    providers["torch.sdpa"] = _sdpa()
+    for name, kind in (("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"),
+                       ("cudnn", "CUDNN_ATTENTION"), ("math", "MATH")):
+        providers[f"torch.sdpa[{name}]"] = _sdpa(kind)
+    if o.compile:
+        providers["torch.flex_attention"] = _flex_provider()
+        providers["torch.compile(naive)"] = compiled(naive)
+
+    cases = []
+    for b, h, L, d, causal, kind in _attention_grid(device, o, quick):
+        score_elements = b * h * L * L
+        corner = score_elements > REFERENCE_FULL_ELEMENTS
+        has_ref = (L * L if corner else score_elements) <= REFERENCE_MAX_ELEMENTS
+        for mode in modes:
+            def make(b=b, h=h, L=L, d=d, causal=causal, kind=kind, mode=mode):
+                grad = mode != "fwd"
+                gen = torch.Generator().manual_seed(L * 1000 + d)
+                q, k, v = (_random((b, h, L, d), device, dtype, grad, gen) for _ in range(3))
+                mask = lengths = bias = None
+                if kind == "padding":
+                    lengths = torch.tensor(_padding_lengths(b, L), device=device)
+                    mask = (torch.arange(L, device=device) < lengths[:, None]).view(b, 1, 1, L)
+                elif kind == "bias":
+                    bias = mask = _random((1, 1, L, L), device, dtype, False, gen, scale=0.5)
+                sdpa_mask, sdpa_causal = mask, causal
+                if mask is not None and causal:  # SDPA takes a mask or is_causal, not both
+                    allowed = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+                    if mask.dtype == torch.bool:
+                        sdpa_mask = mask & allowed
+                    else:
+                        sdpa_mask = mask.masked_fill(~allowed, float("-inf"))
+                    sdpa_causal = False
+                aux = AttentionAux(causal, kind, sdpa_mask, sdpa_causal, lengths, bias)
+                return q, k, v, mask, aux
+
+            def cut(t, n):
+                return None if t is None else _np(t[:n, :n] if corner else t)
+
+            def ref(q, k, v, mask, aux):
+                n = 1 if corner else None
+                return reference.attention(cut(q, n), cut(k, n), cut(v, n), cut(mask, n), causal=aux.causal)[0]
+
+            def grad_ref(inputs, dout):
+                q, k, v, mask, aux = inputs
+                n = 1 if corner else None
+                dout = dout[:1, :1] if corner else dout
+                dq, dk, dv, _ = reference.attention_backward(
+                    dout, cut(q, n), cut(k, n), cut(v, n), cut(mask, n), causal=aux.causal
+                )
+                return [dq, dk, dv]
+
+            name = f"{b}x{h}x{L}x{d}" + (" causal" if causal else "") + ("" if kind == "none" else f" {kind}")
+            cases.append(Case(
+                "attention", name, dtype, mode, make,
+                flops=attention_flops(b, h, L, L, d, causal, mode),
+                reference=ref if has_ref else None, grad_reference=grad_ref if has_ref else None,
+                params={"L": L, "D": d, "causal": causal, "mask": kind}, sweep="L",
+            ))
+    return providers, cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaled masked softmax: GB/s, against the composite torch.softmax(x * scale + mask).
+
+SOFTMAX_SCALE = 0.125
+
+
+def _softmax_grid(device, o: Options, quick: bool):
+    preset = _preset(device, o)
+    total, lengths = {
+        "gpu": (2**25, [128, 512, 2048, 8192, 32768, 131072, 262144]),
+        "cpu": (2**20, [128, 2048, 32768]),
+        "tiny": (2**10, [32, 256]),
+    }[preset]
+    if quick and preset == "gpu":
+        lengths = [512, 8192, 131072]
+    elif quick and preset == "cpu":
+        lengths = [128, 32768]
+    lengths = o.seqs or lengths
+    default_masks = {"gpu": ["none", "padding", "bias"], "cpu": ["none", "padding"], "tiny": ["padding", "bias"]}[preset]
+    variants = list(itertools.product(o.causal or [False], o.masks or default_masks))
+    grid = []
+    for lk in lengths:
+        rows = max(1, total // lk)
+        b = min(4, rows)
+        h = max(1, min(8, rows // b))
+        lq = max(1, rows // (b * h))
+        for causal, kind in variants:
+            grid.append((b, h, lq, lk, causal, kind))
+    return grid
+
+
+def softmax_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    o = _options(options, device)
+    scale = SOFTMAX_SCALE
+
+    def ours(name):
+        return lambda x, mask, causal_mask: fastattn.scaled_masked_softmax(
+            x, mask, scale, causal_mask is not None, backend=name
+        )
+
+    def naive(x, mask, causal_mask):
+        return fastattn.scaled_masked_softmax(x, mask, scale, causal_mask is not None, backend="naive")
+
+    def composite(x, mask, causal_mask):
+        s = x * scale
+        if mask is not None and mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            s = s + mask
+        if causal_mask is not None:
+            s = s.masked_fill(causal_mask, float("-inf"))
+        return torch.softmax(s, dim=-1)
+
+    providers: dict[str, Callable] = {f"fastattn-{n}": ours(n) for n in fastattn_backends("softmax", device)}
+    providers["naive"] = naive
+    providers["torch"] = composite
+    if o.compile:
+        providers["torch.compile(torch)"] = compiled(composite)
+
+    cases = []
+    elt = _elt(dtype)
+    for b, h, lq, lk, causal, kind in _softmax_grid(device, o, quick):
+        n = b * h * lq * lk
+        mask_bytes = {"none": 0, "padding": b * lk, "bias": h * lq * lk * elt}[kind]
+        fwd_bytes, bwd_bytes = 2 * n * elt + mask_bytes, 3 * n * elt
+        full = n <= REFERENCE_MAX_ELEMENTS
+        for mode in modes:
+            traffic = {"fwd": fwd_bytes, "bwd": bwd_bytes, "fwd_bwd": fwd_bytes + bwd_bytes}[mode]
+
+            def make(b=b, h=h, lq=lq, lk=lk, causal=causal, kind=kind, mode=mode):
+                gen = torch.Generator().manual_seed(lk + lq)
+                x = _random((b, h, lq, lk), device, dtype, mode != "fwd", gen, scale=4.0)
+                mask = None
+                if kind == "padding":
+                    lengths = torch.tensor(_padding_lengths(b, lk), device=device)
+                    mask = (torch.arange(lk, device=device) < lengths[:, None]).view(b, 1, 1, lk)
+                elif kind == "bias":
+                    mask = _random((1, h, lq, lk), device, dtype, False, gen)
+                causal_mask = torch.ones(lq, lk, dtype=torch.bool, device=device).triu(1) if causal else None
+                return x, mask, causal_mask
+
+            def cut(t):
+                return None if t is None else _np(t if full else t[:1])
+
+            def ref(x, mask, causal_mask):
+                return reference.softmax(cut(x), cut(mask), scale, causal_mask is not None)
+
+            def grad_ref(inputs, dout):
+                x, mask, causal_mask = inputs
+                y = reference.softmax(cut(x), cut(mask), scale, causal_mask is not None)
+                return [reference.softmax_backward(dout if full else dout[:1], y, scale)]
+
+            name = f"{b}x{h}x{lq}x{lk}" + (" causal" if causal else "") + ("" if kind == "none" else f" {kind}")
+            cases.append(Case(
+                "softmax", name, dtype, mode, make, bytes=traffic, reference=ref, grad_reference=grad_ref,
+                params={"Lk": lk, "causal": causal, "mask": kind}, sweep="Lk",
+            ))
+    return providers, cases
+
+
+# ---------------------------------------------------------------------------------------------
+# FFN Linear -> GELU -> Linear: TFLOP/s = 4 * M * D * F forward, x2 backward, x3 both.
+
+FFN_REFERENCE_ROWS = 256
+
+
+def ffn_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    o = _options(options, device)
+    preset = _preset(device, o)
+    m, dims = {"gpu": (8192, [1024, 2048, 4096, 8192]), "cpu": (256, [256, 512]), "tiny": (16, [32])}[preset]
+    if quick and preset == "gpu":
+        dims = [1024, 4096]
+    elif quick and preset == "cpu":
+        dims = [256]
+    activation = "gelu"
+
+    def ours(name):
+        return lambda x, w1, b1, w2, b2: fastattn.ffn(x, w1, b1, w2, b2, activation, backend=name)
+
+    def naive(x, w1, b1, w2, b2):
+        return fastattn.ffn(x, w1, b1, w2, b2, activation, backend="naive")
+
+    def eager(x, w1, b1, w2, b2):
+        return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+    @unchecked
+    def matmuls(x, w1, b1, w2, b2):
+        return (x @ w1.t()) @ w2.t()
+
+    providers: dict[str, Callable] = {f"fastattn-{n}": ours(n) for n in fastattn_backends("ffn", device)}
+    providers["naive"] = naive
+    providers["torch"] = eager
+    if o.compile:
+        providers["torch.compile(torch)"] = compiled(eager)
+    providers["matmuls (floor)"] = matmuls
+
+    def ref(x, w1, b1, w2, b2):
+        rows = slice(0, FFN_REFERENCE_ROWS)
+        return reference.ffn(to_numpy(x[rows]), to_numpy(w1), to_numpy(b1), to_numpy(w2), to_numpy(b2), activation)
+
+    def grad_ref(inputs, dout):
+        x, w1, b1, w2, b2 = (to_numpy(t) for t in inputs)
+        return list(reference.ffn_backward(dout, x, w1, b1, w2, b2, activation))
+
+    cases = []
+    for d in dims:
+        f = 4 * d
+        for mode in modes:
+            def make(d=d, f=f, mode=mode):
+                grad = mode != "fwd"
+                gen = torch.Generator().manual_seed(d)
+                x = _random((m, d), device, dtype, grad, gen)
+                w1 = _random((f, d), device, dtype, grad, gen, scale=d**-0.5)
+                b1 = _random((f,), device, dtype, grad, gen, scale=0.1)
+                w2 = _random((d, f), device, dtype, grad, gen, scale=f**-0.5)
+                b2 = _random((d,), device, dtype, grad, gen, scale=0.1)
+                return x, w1, b1, w2, b2
+
+            # float64 NumPy on the first rows only; gradients (which need every row) for small cases.
+            small = m * f <= 2**22 and m * d * f <= 2**32
+            cases.append(Case(
+                "ffn", f"{m}x{d}x{f}", dtype, mode, make,
+                flops=int(4 * m * d * f * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode]),
+                reference=ref if d * f <= REFERENCE_MAX_ELEMENTS else None,
+                grad_reference=grad_ref if small else None,
+                params={"D": d}, sweep="D",
+            ))
+    return providers, cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: a small GPT-style block stack (fastattn.models.GPT): TFLOP/s of the whole forward
+# (2 * tokens * (12 * L * E^2 + E * vocab) + causal attention), x2 backward, x3 both.
+
+
+def gpt_flops(config, b: int, t: int, mode: str) -> int:
+    e, n = config.n_embd, config.n_layer
+    dense = 2 * b * t * (n * (4 * e * e + 2 * config.mlp_ratio * e * e) + e * config.vocab_size)
+    attn = n * attention_flops(b, config.n_head, t, t, e // config.n_head, True, "fwd")
+    return int((dense + attn) * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode])
+
+
+def torch_gpt(params: dict, idx: torch.Tensor, config) -> torch.Tensor:
+    """The logits of :class:`fastattn.models.GPT` from its parameters, in plain PyTorch
+    (F.layer_norm, F.linear, F.scaled_dot_product_attention, F.gelu): the peer."""
+    p = params
+    B, T = idx.shape
+    E, H, eps = config.n_embd, config.n_head, config.layer_norm_eps
+    approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+
+    def ln(x, name):
+        return F.layer_norm(x, (E,), p[f"{name}.weight"], p.get(f"{name}.bias"), eps)
+
+    x = F.embedding(idx, p["transformer.wte.weight"]) + p["transformer.wpe.weight"][:T]
+    for i in range(config.n_layer):
+        pre = f"transformer.h.{i}."
+        qkv = F.linear(ln(x, pre + "ln_1"), p[pre + "attn.c_attn.weight"], p.get(pre + "attn.c_attn.bias"))
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, E)
+        x = x + F.linear(y, p[pre + "attn.c_proj.weight"], p.get(pre + "attn.c_proj.bias"))
+        h = F.gelu(F.linear(ln(x, pre + "ln_2"), p[pre + "mlp.fc1.weight"], p.get(pre + "mlp.fc1.bias")), approximate=approximate)
+        x = x + F.linear(h, p[pre + "mlp.fc2.weight"], p.get(pre + "mlp.fc2.bias"))
+    return F.linear(ln(x, "transformer.ln_f"), p["transformer.wte.weight"])
+
+
+@dataclasses.dataclass
+class ModelAux:
+    """The model's config and parameter names; providers build their module on first call."""
+
+    config: object
+    names: list[str]
+    modules: dict = dataclasses.field(default_factory=dict)
+
+
+def model_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    from fastattn import reference_models
+    from fastattn.models import GPT, GPTConfig
+
+    o = _options(options, device)
+    preset = _preset(device, o)
+    tokens, seqs, config = {
+        "gpu": (8192, [1024, 2048, 4096], dict(n_layer=4, n_head=16, n_embd=1024, vocab_size=8192)),
+        "cpu": (512, [128, 256], dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512)),
+        "tiny": (32, [16], dict(n_layer=1, n_head=2, n_embd=32, vocab_size=64)),
+    }[preset]
+    if quick and preset != "tiny":
+        seqs = seqs[::2] if len(seqs) > 2 else seqs[-1:]
+    seqs = o.seqs or seqs
+    config = GPTConfig(block_size=max(seqs), dropout=0.0, activation="gelu", **config)
+
+    def gpt(backend, name):
+        def fn(idx, aux, *params):
+            if name not in aux.modules:
+                aux.modules[name] = GPT(aux.config, backend=backend, device="meta").eval()
+            module = aux.modules[name]
+            return torch.func.functional_call(module, dict(zip(aux.names, params)), (idx,))[0]
+
+        return fn
+
+    every = None
+    for op in ("attention", "layer_norm", "ffn"):
+        names = set(fastattn_backends(op, device))
+        every = names if every is None else every & names
+    providers: dict[str, Callable] = {f"fastattn-{n}": gpt(n, n) for n in sorted(every)}
+    if not every and any(fastattn_backends(op, device) for op in ("attention", "layer_norm", "ffn")):
+        providers["fastattn-auto"] = gpt(None, "auto")  # per op, the best backend that has it
+    providers["naive"] = gpt("naive", "naive")
+
+    def peer(idx, aux, *params):
+        return torch_gpt(dict(zip(aux.names, params)), idx, aux.config)
+
+    providers["torch"] = peer
+    if o.compile:
+        providers["torch.compile(torch)"] = compiled(peer)
+
+    cases = []
+    for t in seqs:
+        b = max(1, tokens // t)
+        has_ref = t * config.mlp_ratio * config.n_embd * config.n_layer <= 2**23
+        for mode in modes:
+            def make(b=b, t=t, mode=mode):
+                gen = torch.Generator().manual_seed(t)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    model = GPT(config, backend="naive")
+                names, params = [], []
+                for name, param in model.named_parameters():
+                    names.append(name)
+                    params.append(param.detach().to(device=device, dtype=dtype).requires_grad_(mode != "fwd"))
+                idx = torch.randint(0, config.vocab_size, (b, t), generator=gen).to(device)
+                return (idx, ModelAux(config, names), *params)
+
+            def ref(idx, aux, *params):  # batch 0 only (causal: independent of the others)
+                state = {n: to_numpy(p) for n, p in zip(aux.names, params)}
+                return reference_models.gpt_forward(state, aux.config, idx[:1].cpu().numpy())
+
+            cases.append(Case(
+                "model", f"GPT {config.n_layer}x{config.n_embd} B{b} T{t}", dtype, mode, make,
+                flops=gpt_flops(config, b, t, mode), reference=ref if has_ref else None,
+                params={"T": t, "layers": config.n_layer, "E": config.n_embd}, sweep="T",
+            ))
+    return providers, cases
+
+
+SUITES = {
+    "attention": attention_suite,
+    "softmax": softmax_suite,
+    "layer_norm": layer_norm_suite,
+    "ffn": ffn_suite,
+}
+if importlib.util.find_spec("fastattn.models") is not None:
+    SUITES["model"] = model_suite

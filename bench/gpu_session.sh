@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything a session with a lent GPU does, in one call from the repository root:
+#   bash bench/gpu_session.sh [build] [test] [sanitize] [bench]      (default: all four)
+# Results go to $OUT (the device tool's folder) or bench/results/gpu-<date>/ and are meant to
+# be committed under bench/results/ with the device, versions and date they carry.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+steps=${*:-build test sanitize bench}
+stamp=$(date -u +%Y%m%d-%H%M)
+out=${OUT:-bench/results/gpu-$stamp}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+status=0
+
+run() {  # run NAME CMD...: log to $out/NAME.log, keep going on failure, remember it
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" >"$out/$name.log" 2>&1; local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s"; tail -n 25 "$out/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+
+for step in $steps; do
+  case $step in
+    build)
+      run build python3 -m pip install --no-build-isolation --no-deps -e .
+      run info fastattn info ;;
+    test)
+      run test python3 -m pytest -q -x --junitxml="$out/junit.xml" -p no:cacheprovider ;;
+    sanitize)
+      if command -v compute-sanitizer >/dev/null; then
+        run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_cuda.py
+        run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_cuda.py
+      else
+        echo "compute-sanitizer not found" | tee "$out/sanitize.log"
+      fi ;;
+    bench)
+      run bench fastattn bench --json "$out/bench.json" --plot "$out/bench.png" ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+echo "results in $out"
+exit $status

@@ -1,0 +1,173 @@
+"""The benchmark harness: `fastattn bench` end to end on tiny cases, JSON, errors, plots, summary."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from fastattn import bench, cli
+from fastattn.bench_suites import REFERENCE_MAX_ELEMENTS, SUITES, Options, attention_flops, attention_suite
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV_KEYS = {"device", "device_type", "torch", "triton", "python", "date", "commit", "peaks", "backends"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One `fastattn bench` run on the hidden tiny preset, every op, forward + backward."""
+    path = str(tmp_path_factory.mktemp("bench") / "tiny.json")
+    argv = ["bench", "--tiny", "--op", "all", "--seq", "32", "--mode", "fwd_bwd", "--budget", "0.001",
+            "--device", "cpu", "--json", path]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: thread start-up and a busy machine would dominate
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def test_cli_writes_json_with_environment_and_ratios(tiny_run):
+    _, data = tiny_run
+    env = data["environment"]
+    assert ENV_KEYS <= set(env), ENV_KEYS - set(env)
+    assert env["device_type"] == "cpu" and env["torch"] == torch.__version__
+    assert env["command"].startswith("fastattn bench --tiny")
+    rows = data["results"]
+    assert {r["op"] for r in rows} == set(SUITES)
+    for op in SUITES:
+        naive = [r for r in rows if r["op"] == op and r["provider"] == "naive"]
+        assert naive and all(r["ms"] > 0 and r["speedup_vs_naive"] == pytest.approx(1.0) for r in naive)
+        peers = [r for r in rows if r["op"] == op and r["provider"].startswith("torch") and r["ms"]]
+        assert peers and all(r["speedup_vs_torch"] is not None for r in peers)
+        assert max(r["speedup_vs_torch"] for r in peers) == pytest.approx(1.0)  # the best peer
+    for r in rows:
+        assert r["mode"] == "fwd_bwd" and r["dtype"] == "float32"
+        if r["error"]:
+            assert r["ms"] is None
+            continue
+        assert r["ms_p20"] <= r["ms"] <= r["ms_p80"]
+        assert (r["tflops"] is not None) == (r["op"] in ("attention", "ffn", "model"))
+        assert (r["gbps"] is not None) == (r["op"] in ("softmax", "layer_norm"))
+        assert r["peak_fraction"] > 0 and r["params"] and r["sweep"] in r["params"]
+        if r["provider"] != "matmuls (floor)":  # the floor is not the op: not checked
+            assert r["max_error"] < 1e-4, r
+            if r["op"] != "model":  # no float64 backward of the whole model
+                assert r["max_grad_error"] < 1e-4, r
+
+
+def test_cli_covers_attention_providers_and_masks(tiny_run):
+    _, data = tiny_run
+    rows = [r for r in data["results"] if r["op"] == "attention"]
+    assert {r["params"]["mask"] for r in rows} == {"none", "padding", "bias"}
+    assert {r["params"]["causal"] for r in rows} == {False, True}
+    providers = {r["provider"] for r in rows}
+    assert {"naive", "torch.sdpa", "torch.sdpa[flash]", "torch.sdpa[math]", "torch.sdpa[efficient]"} <= providers
+    # PyTorch has no memory-efficient kernel on a CPU: the row says why instead of stopping the run.
+    eff = [r for r in rows if r["provider"] == "torch.sdpa[efficient]"]
+    assert all(r["error"] and "CUDA" in r["error"] for r in eff)
+
+
+def test_provider_that_raises_is_reported_not_fatal():
+    def make():
+        return (torch.randn(8, 16),)
+
+    def boom(x):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    case = bench.Case("softmax", "8x16", torch.float32, "fwd", make, bytes=2 * 8 * 16 * 4,
+                      reference=lambda x: torch.softmax(x.double(), -1).numpy())
+    providers = {"naive": lambda x: torch.softmax(x, -1), "boom": boom, "torch": lambda x: torch.softmax(x, -1)}
+    rows = bench.compare(providers, [case], device="cpu", progress=False, budget_s=0.001)
+    by = {r.provider: r for r in rows}
+    assert by["boom"].error == "RuntimeError: kernel exploded" and by["boom"].ms is None
+    assert by["naive"].ms and by["torch"].ms and by["torch"].speedup_vs_naive > 0
+    assert by["naive"].max_error < 1e-6
+    bench.print_table(rows)  # an error row renders
+
+
+def test_reference_may_cover_a_leading_corner():
+    def make():
+        return (torch.randn(4, 3, 8),)
+
+    case = bench.Case("softmax", "4x3x8", torch.float32, "fwd", make,
+                      reference=lambda x: torch.softmax(x[:1].double(), -1).numpy())
+    rows = bench.compare({"naive": lambda x: torch.softmax(x, -1)}, [case], device="cpu", progress=False, budget_s=0.001)
+    assert rows[0].max_error < 1e-6
+
+
+def test_attention_flops():
+    assert attention_flops(2, 4, 128, 256, 64, False, "fwd") == 4 * 2 * 4 * 128 * 256 * 64
+    assert attention_flops(2, 4, 128, 256, 64, True, "fwd") == 2 * 2 * 4 * 128 * 256 * 64
+    assert attention_flops(1, 1, 64, 64, 64, False, "bwd") == 2.5 * 4 * 64**3
+    assert attention_flops(1, 1, 64, 64, 64, True, "fwd_bwd") == 3.5 * 2 * 64**3
+
+
+def test_huge_attention_cases_skip_the_float64_reference():
+    cpu = torch.device("cpu")
+    _, cases = attention_suite(cpu, torch.float32, ["fwd"], False, Options(seqs=[16384], dims=[64], masks=["none"]))
+    assert cases and all(c.reference is None and c.params["L"] ** 2 > REFERENCE_MAX_ELEMENTS for c in cases)
+    _, cases = attention_suite(cpu, torch.float32, ["fwd"], False, Options(seqs=[256], dims=[64], masks=["none"]))
+    assert all(c.reference is not None for c in cases)
+
+
+def test_cpu_default_grid_is_small_and_gpu_grid_is_full():
+    _, cpu_cases = attention_suite(torch.device("cpu"), torch.float32, ["fwd", "fwd_bwd"], False)
+    assert 0 < len(cpu_cases) <= 24 and max(c.params["L"] for c in cpu_cases) <= 1024
+    # The GPU grid, built without a GPU (make() is never called).
+    _, gpu_cases = attention_suite(torch.device("cuda"), torch.bfloat16, ["fwd"], False, Options(compile=False))
+    assert {c.params["D"] for c in gpu_cases} == {64, 128, 256}
+    assert {c.params["L"] for c in gpu_cases} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {c.params["mask"] for c in gpu_cases} == {"none", "padding", "bias"}
+    assert {c.params["causal"] for c in gpu_cases} == {False, True}
+
+
+def test_plot_writes_a_png(tiny_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    path, _ = tiny_run
+    results, _env = bench.load_json(path)
+    out = tmp_path / "plot.png"
+    bench.plot(results, str(out), title="tiny")
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_option(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "ln.png"
+    argv = ["bench", "--tiny", "--op", "layer_norm", "--mode", "fwd", "--budget", "0.001", "--device", "cpu",
+            "--plot", str(out)]
+    assert cli.main(argv) == 0
+    assert out.stat().st_size > 1000
+
+
+def test_summarize_writes_markdown(tiny_run, tmp_path):
+    path, _ = tiny_run
+    spec = importlib.util.spec_from_file_location("summarize", os.path.join(ROOT, "bench", "summarize.py"))
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    out = tmp_path / "SUMMARY.md"
+    assert summarize.main([path, "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "**CPU numbers**" in text and "### Headlines" in text
+    for op in SUITES:
+        assert f"### {op}" in text
+    assert "Could not run:" in text and "torch.sdpa[efficient]" in text
+
+
+def test_info_still_works(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "fastattn" in out and "backends" in out and "naive" in out
+
+
+def test_bench_suites_are_not_collected_by_plain_pytest(pytestconfig):
+    # bench/conftest.py collects bench/bench_*.py only when bench/ is passed explicitly.
+    assert pytestconfig.getini("testpaths") == ["tests"]
+    names = os.listdir(os.path.join(ROOT, "bench"))
+    assert {"bench_attention.py", "bench_softmax.py", "bench_layer_norm.py", "bench_ffn.py", "conftest.py"} <= set(names)
+    assert not [n for n in names if n.startswith("test_")]
+
