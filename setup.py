@@ -53,9 +53,11 @@ def extensions():
 
 
 setup(
-    packages=[*find_packages(include=["fastattn", "fastattn.*"]), "fastattn.kernels"],
-    package_dir={"fastattn.kernels": "kernels"},
-    package_data={"fastattn": ["data/*"]},
+    packages=[*find_packages(include=["fastattn", "fastattn.*"]), "fastattn.kernels", "fastattn.include"],
+    # kernels/ ships as fastattn.kernels; the C++ headers ship as fastattn/include so that users
+    # can compile their own extensions against them (fastattn.extending.include_paths()).
+    package_dir={"fastattn.kernels": "kernels", "fastattn.include": "csrc/include"},
+    package_data={"fastattn": ["data/*"], "fastattn.include": ["fastattn/*.h", "fastattn/*.cuh"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -44,6 +44,13 @@ TORCH_LIBRARY(fastattn, m) {
   m.def(
       "ffn_bwd(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor pre, str activation, "
       "bool[2] output_mask) -> (Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)");
+  // Rotary position embedding. x (B, H, L, D), D even; cos, sin (P, D/2) float32 (float64 for
+  // float64 x); positions: None (token l uses table row l, P == L) or int64 (B, L) table rows.
+  // Pairs (i, i + D/2), or (2i, 2i + 1) when interleaved. inverse rotates by -theta: the
+  // backward is this op applied to dy with inverse flipped. y is contiguous (B, H, L, D).
+  m.def(
+      "rope_fwd(Tensor x, Tensor cos, Tensor sin, Tensor? positions, bool interleaved, "
+      "bool inverse) -> Tensor");
 }
 
 // A Python module init so that `import fastattn._C` loads this library (and so registers the ops

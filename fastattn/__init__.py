@@ -17,10 +17,13 @@ from fastattn.ops import (
     ffn,
     layer_norm,
     rms_norm,
+    rope,
+    rotary_cos_sin,
     scaled_dot_product_attention,
     scaled_masked_softmax,
 )
-from fastattn import models, nn, reference
+from fastattn import extending, models, nn, reference
+from fastattn.extending import extension_include_dir
 from fastattn.swapping import register_hf, swap, unswap
 
 __version__ = "0.1.0"
@@ -31,6 +34,8 @@ __all__ = [
     "attention",
     "available_backends",
     "backend_status",
+    "extending",
+    "extension_include_dir",
     "ffn",
     "layer_norm",
     "models",
@@ -39,6 +44,8 @@ __all__ = [
     "reference",
     "register_backend",
     "rms_norm",
+    "rope",
+    "rotary_cos_sin",
     "scaled_dot_product_attention",
     "scaled_masked_softmax",
     "swap",

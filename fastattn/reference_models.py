@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from fastattn import reference as ref
+from fastattn import reference_rope
 
 __all__ = ["gpt_forward", "transformer_decoder_layer", "transformer_forward"]
 
@@ -102,7 +103,8 @@ def transformer_forward(params, config, src, tgt):
 def gpt_forward(params, config, idx):
     """Logits (B, T, vocab) of :class:`fastattn.models.GPT` in eval mode.
 
-        x = wte[idx] + wpe[0..T-1]
+        x = wte[idx] + wpe[0..T-1]                  (pos="rotary": x = wte[idx], and q, k rotated
+                                                     by reference_rope.rope before attention)
         per block:  x = x + c_proj(causal_attention(split_heads(c_attn(ln_1(x)))))
                     x = x + fc2(act(fc1(ln_2(x))))
         logits = ln_f(x) wte^T                      (the head is tied to wte)
@@ -120,12 +122,17 @@ def gpt_forward(params, config, idx):
     def heads(t):  # (B, T, E) -> (B, H, T, E / H)
         return t.reshape(B, T, H, E // H).transpose(0, 2, 1, 3)
 
-    x = p["transformer.wte.weight"][idx] + p["transformer.wpe.weight"][:T]
+    rotary = getattr(c, "pos", "learned") == "rotary"
+    x = p["transformer.wte.weight"][idx]
+    if not rotary:
+        x = x + p["transformer.wpe.weight"][:T]
     for i in range(c.n_layer):
         b = f"transformer.h.{i}."
         qkv = ref.linear(ln(x, b + "ln_1"), p[b + "attn.c_attn.weight"], p.get(b + "attn.c_attn.bias"))
-        q, k, v = np.split(qkv, 3, axis=-1)
-        y, _ = ref.attention(heads(q), heads(k), heads(v), causal=True)
+        q, k, v = (heads(t) for t in np.split(qkv, 3, axis=-1))
+        if rotary:
+            q, k = reference_rope.rope(q, base=c.rope_base), reference_rope.rope(k, base=c.rope_base)
+        y, _ = ref.attention(q, k, v, causal=True)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, E)
         x = x + ref.linear(y, p[b + "attn.c_proj.weight"], p.get(b + "attn.c_proj.bias"))
         x = x + ref.ffn(ln(x, b + "ln_2"), p[b + "mlp.fc1.weight"], p.get(b + "mlp.fc1.bias"),

@@ -1,7 +1,7 @@
 """fastattn's Triton kernels, shipped as the subpackage ``fastattn.kernels``.
 
 One module per op, each holding @triton.jit kernels and their launchers (tensors in, tensors out,
-no autograd): ``layer_norm``, ``softmax``, ``attention``, ``ffn``; ``rng`` is the counter-based
+no autograd): ``layer_norm``, ``softmax``, ``attention``, ``ffn``, ``rope``; ``rng`` is the counter-based
 dropout RNG they share (docs/numerics.md).
 """
 

@@ -266,3 +266,33 @@ def test_ddp_gradients_equal_single_process(tmp_path):
         assert set(grads) == {n for n, _ in model.named_parameters()}
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=f"rank {rank} grad {name}")
+
+
+# Rotary positions (fastattn.rope) in the GPT
+
+
+@pytest.mark.parametrize("backend", ["naive", None])
+def test_gpt_rotary_matches_reference_and_decodes_with_the_cache(backend):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32, pos="rotary")
+    model = GPT(cfg, backend=backend).eval()
+    assert "transformer.wpe.weight" not in model.state_dict()
+    idx = torch.randint(0, 64, (2, 12))
+    logits, _ = model(idx)
+    ref = reference_models.gpt_forward(model.state_dict(), cfg, idx.numpy())
+    assert_close_to_reference(logits, ref, name="logits")
+    cache = model.new_cache(2)
+    steps = torch.cat([model(idx[:, t:t + 1], cache=cache)[0] for t in range(12)], dim=1)
+    torch.testing.assert_close(steps, logits, atol=1e-5, rtol=1e-5)
+    out = model.generate(idx[:, :4], 20, greedy=True)  # past block_size: the window is recomputed
+    assert torch.equal(out, model.generate(idx[:, :4], 20, greedy=True, use_cache=False))
+    model.num_parameters()
+    with pytest.raises(ValueError, match="pos"):
+        GPTConfig(pos="alibi")
+
+
+def test_gpt_rotary_bf16_cast_keeps_tables():
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, pos="rotary")
+    model = GPT(cfg, backend="naive").to(torch.bfloat16).eval()
+    logits, _ = model(torch.randint(0, 64, (1, 16)))
+    assert logits.dtype == torch.bfloat16 and model.transformer.h[0].attn.rotary.cos.dtype == torch.float32

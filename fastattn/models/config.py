@@ -60,6 +60,9 @@ class GPTConfig(_Config):
     """A GPT-2 style decoder-only model (defaults: GPT-2 small, vocabulary padded to 50304).
 
     ``activation="gelu_tanh"`` is GPT-2's own; ``mlp_ratio`` sets the hidden width of the MLP.
+    ``pos="rotary"`` replaces the learned position embedding (``transformer.wpe``) by rotary
+    embeddings (:func:`fastattn.rope`, GPT-NeoX pairs, base ``rope_base``) applied to the queries
+    and keys of every layer.
     """
 
     vocab_size: int = 50304
@@ -72,7 +75,13 @@ class GPTConfig(_Config):
     activation: str = "gelu"
     mlp_ratio: int = 4
     layer_norm_eps: float = 1e-5
+    pos: str = "learned"
+    rope_base: float = 10000.0
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.pos not in ("learned", "rotary"):
+            raise ValueError(f"pos must be 'learned' or 'rotary', got {self.pos!r}")
+        if self.pos == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos='rotary' needs an even head dim, got {self.n_embd // self.n_head}")

@@ -12,6 +12,7 @@ from fastattn.models.config import GPTConfig
 from fastattn.nn.ffn import FeedForward
 from fastattn.nn.norm import LayerNorm
 from fastattn.ops.attention import attention
+from fastattn.ops.rope import RotaryEmbedding
 
 __all__ = ["GPT", "KVCache"]
 
@@ -44,7 +45,8 @@ class KVCache:
 class CausalSelfAttention(torch.nn.Module):
     """Causal multi-head self-attention: ``c_attn`` (fused q, k, v projection), fastattn's
     attention, ``c_proj``. With a cache the new queries attend every cached key
-    (``causal="bottom_right"``)."""
+    (``causal="bottom_right"``). With ``config.pos == "rotary"`` the queries and keys are rotated
+    (:class:`fastattn.ops.rope.RotaryEmbedding`) at their positions before the cache stores them."""
 
     def __init__(self, config: GPTConfig, backend: str | None = None, device=None, dtype=None):
         super().__init__()
@@ -55,10 +57,18 @@ class CausalSelfAttention(torch.nn.Module):
         self.c_attn = torch.nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias, **factory)
         self.c_proj = torch.nn.Linear(config.n_embd, config.n_embd, bias=config.bias, **factory)
         self.resid_dropout = torch.nn.Dropout(config.dropout)
+        self.rotary = None
+        if config.pos == "rotary":
+            self.rotary = RotaryEmbedding(
+                config.n_embd // config.n_head, config.block_size, config.rope_base, backend=backend, device=device
+            )
 
     def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
         B, T, C = x.shape
         q, k, v = (t.unflatten(-1, (self.n_head, -1)).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
+        if self.rotary is not None:
+            start = 0 if cache is None else cache.length
+            q, k = self.rotary(q, offset=start), self.rotary(k, offset=start)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         y = attention(
@@ -99,15 +109,15 @@ class GPT(torch.nn.Module):
         self.config = config
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
-        self.transformer = torch.nn.ModuleDict(
-            dict(
-                wte=torch.nn.Embedding(config.vocab_size, config.n_embd, **factory),
-                wpe=torch.nn.Embedding(config.block_size, config.n_embd, **factory),
-                drop=torch.nn.Dropout(config.dropout),
-                h=torch.nn.ModuleList(Block(config, backend, **factory) for _ in range(config.n_layer)),
-                ln_f=LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias, backend=backend, **factory),
-            )
+        modules = {"wte": torch.nn.Embedding(config.vocab_size, config.n_embd, **factory)}
+        if config.pos == "learned":  # rotary positions live in the attention layers instead
+            modules["wpe"] = torch.nn.Embedding(config.block_size, config.n_embd, **factory)
+        modules.update(
+            drop=torch.nn.Dropout(config.dropout),
+            h=torch.nn.ModuleList(Block(config, backend, **factory) for _ in range(config.n_layer)),
+            ln_f=LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias, backend=backend, **factory),
         )
+        self.transformer = torch.nn.ModuleDict(modules)
         self.lm_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=False, **factory)
         self.lm_head.weight = self.transformer.wte.weight  # tied
         self.reset_parameters()
@@ -134,7 +144,9 @@ class GPT(torch.nn.Module):
 
     def num_parameters(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        return n
 
     def new_cache(self, batch: int, capacity: int | None = None) -> KVCache:
         c = self.config
@@ -152,8 +164,10 @@ class GPT(torch.nn.Module):
         start = 0 if cache is None else cache.length
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} positions exceeds block_size={self.config.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx)
+        if "wpe" in self.transformer:  # learned positions; rotary ones are applied in attention
+            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
         if cache is not None:

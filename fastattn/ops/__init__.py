@@ -3,6 +3,7 @@
 from fastattn.ops.attention import attention, scaled_dot_product_attention
 from fastattn.ops.ffn import ffn
 from fastattn.ops.layer_norm import add_layer_norm, layer_norm, rms_norm
+from fastattn.ops.rope import rope, rotary_cos_sin
 from fastattn.ops.softmax import scaled_masked_softmax
 
 __all__ = [
@@ -11,6 +12,8 @@ __all__ = [
     "ffn",
     "layer_norm",
     "rms_norm",
+    "rope",
+    "rotary_cos_sin",
     "scaled_dot_product_attention",
     "scaled_masked_softmax",
 ]
