@@ -1,0 +1,144 @@
+"""A small, fixed workload of every CUDA C++ op (csrc/cuda), to run under NVIDIA compute-sanitizer.
+
+Run on a GPU machine (the extension built with its CUDA kernels):
+
+    compute-sanitizer --tool memcheck  --error-exitcode 1 python bench/sanitize_cuda.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python bench/sanitize_cuda.py
+    compute-sanitizer --tool initcheck --error-exitcode 1 python bench/sanitize_cuda.py
+    compute-sanitizer --tool synccheck --error-exitcode 1 python bench/sanitize_cuda.py
+
+or let the script launch those itself: ``python bench/sanitize_cuda.py --all-tools``.
+
+The calls are forward + backward of softmax (warp path, cached and uncached block paths, masks,
+causal), ffn (plain and gated activations, odd sizes) and attention (the three head-dim buckets,
+odd lengths, GQA, masks, band, dropout, fully masked rows, empty keys), kept small so the
+sanitizer (10-100x slower) finishes in a minute or two. Each output is checked to be finite
+(a cheap guard that also forces the kernels to have run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+
+import torch
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+
+
+def _finite(name, *tensors):
+    for t in tensors:
+        if t is not None and t.is_floating_point() and t.numel():
+            bad = ~torch.isfinite(t) & ~torch.isneginf(t) if name.startswith("lse") else ~torch.isfinite(t)
+            if bad.any():
+                raise AssertionError(f"{name}: non-finite values")
+
+
+def softmax_calls(gen, dev):
+    import fastattn
+
+    for shape, causal, masked in (
+        ((2, 2, 5, 37), True, True),       # warp path, scalar loads (37 not a multiple of 8)
+        ((1, 2, 3, 64), False, False),     # warp path, 16-byte vectors
+        ((1, 1, 2, 1500), False, True),    # block path, scores cached in shared memory
+        ((1, 1, 1, 13000), True, False),   # block path, uncached (re-reads x)
+    ):
+        x = torch.randn(shape, generator=gen).half().to(dev).requires_grad_()
+        m = (torch.rand(1, 1, shape[2], shape[3], generator=gen) > 0.3).to(dev) if masked else None
+        y = fastattn.scaled_masked_softmax(x, m, 0.5, causal, backend="cuda")
+        (dx,) = torch.autograd.grad(y, x, torch.randn_like(y))
+        _finite("softmax", y, dx)
+
+
+def ffn_calls(gen, dev):
+    import fastattn
+
+    for act, M, D, F, D2, dtype in (("gelu", 33, 24, 40, 17, torch.bfloat16),
+                                    ("swiglu", 7, 16, 32, 8, torch.float16),
+                                    ("gelu_tanh", 5, 13, 11, 3, torch.float32)):
+        f1 = 2 * F if act in ("swiglu", "geglu") else F
+        ts = [torch.randn(*s, generator=gen).to(dtype).to(dev).requires_grad_()
+              for s in ((M, D), (f1, D), (f1,), (D2, F), (D2,))]
+        out = fastattn.ffn(*ts, act, backend="cuda")
+        grads = torch.autograd.grad(out, ts, torch.randn_like(out))
+        _finite("ffn", out, *grads)
+
+
+def attention_calls(gen, dev):
+    import fastattn
+
+    cases = (
+        # B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask, dropout
+        (1, 4, 2, 37, 29, 40, 40, True, None, None, 0.0),
+        (1, 2, 1, 20, 45, 80, 96, "bottom_right", None, "bool", 0.0),
+        (1, 2, 2, 33, 17, 256, 200, False, (5, 3), "float", 0.0),
+        (1, 2, 1, 30, 30, 64, 64, False, None, "dead_rows", 0.2),
+        (1, 1, 1, 9, 0, 64, 64, False, None, None, 0.0),
+    )
+    for B, H, Hkv, Lq, Lk, D, Dv, causal, window, kind, p in cases:
+        q = torch.randn(B, H, Lq, D, generator=gen).half().to(dev).requires_grad_()
+        k = torch.randn(B, Hkv, Lk, D, generator=gen).half().to(dev).requires_grad_()
+        v = torch.randn(B, Hkv, Lk, Dv, generator=gen).half().to(dev).requires_grad_()
+        leaves = [q, k, v]
+        mask = None
+        if kind == "bool":
+            mask = (torch.rand(B, 1, Lq, Lk, generator=gen) > 0.3).to(dev)
+        elif kind == "dead_rows":
+            mask = torch.rand(B, H, Lq, Lk, generator=gen) > 0.5
+            mask[:, :, :3] = False
+            mask = mask.to(dev)
+        elif kind == "float":
+            mask = torch.randn(1, H, Lq, Lk, generator=gen).to(dev).requires_grad_()
+            leaves.append(mask)
+        out, lse = fastattn.attention(q, k, v, mask, causal=causal, window=window, dropout_p=p,
+                                      seed=3, enable_gqa=True, return_lse=True, backend="cuda")
+        grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
+        _finite("attention", out, *grads)
+        _finite("lse", lse)
+
+
+def workload():
+    import fastattn
+
+    reason = fastattn.backend_status().get("cuda")
+    if reason:
+        sys.exit(f"sanitize_cuda: the cuda backend is unavailable: {reason}")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    softmax_calls(gen, dev)
+    ffn_calls(gen, dev)
+    attention_calls(gen, dev)
+    torch.cuda.synchronize()
+    print("sanitize_cuda: workload done")
+
+
+def run_all_tools() -> int:
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        print("sanitize_cuda: compute-sanitizer not found on PATH", file=sys.stderr)
+        return 2
+    failed = []
+    for tool in TOOLS:
+        cmd = [exe, "--tool", tool, "--error-exitcode", "1", sys.executable, __file__]
+        print("sanitize_cuda: running", " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            failed.append(tool)
+    print("sanitize_cuda:", "FAILED " + ", ".join(failed) if failed else "all tools clean")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all-tools", action="store_true",
+                        help="run this workload under each compute-sanitizer tool in turn")
+    args = parser.parse_args()
+    if args.all_tools:
+        return run_all_tools()
+    workload()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,956 @@
+// Fused scaled dot-product attention, forward and backward (CUDA backend):
+// fastattn::attention_fwd / attention_bwd. Flash-style: no (Lq, Lk) buffer (except dmask, an
+// output), tensor cores through PTX mma.sync.m16n8k16 (cuda_mma.cuh), no cuBLAS, no atomics.
+//
+// Math (per batch b and query head h; kv head h / (H / Hkv)), as kernels/attention.py:
+//
+//     S   = scale * Q K^T + M          M: float mask, or 0 / -inf from a bool mask, and -inf
+//                                      outside the band  i + offset - left <= j <= i + offset + right
+//     lse = log sum_j exp(S_ij)        -inf for a row with nothing to attend
+//     P   = exp(S - lse)               0 for such a row
+//     O   = (P * Z) V                  Z = keep / (1 - p), keep from rng.h (all ones if p = 0)
+//     delta = rowsum(dO * O)
+//     dV  = (P * Z)^T dO,   dS = P * (Z * (dO V^T) - delta)   (dS is also the float mask's grad)
+//     dQ  = scale * dS K,   dK = scale * dS^T Q
+//
+// DTYPES: q, k, v in float16 or bfloat16 (the tensor-core operand types). float32 inputs are
+// REJECTED with an error naming the dtype (use backend="triton" or backend="cpu", or cast to
+// bfloat16 / float16): computing them through a bf16/fp16 (or TF32) conversion would silently
+// miss the float32 tolerance of docs/numerics.md. The mask may be bool or any float dtype.
+// Statistics, scores and all accumulators are float32; P and dS are rounded to the input dtype
+// for the tensor-core products (as in FlashAttention-2 and the Triton kernels).
+//
+// Head dims: D (q, k) and Dv (v) anything in 1 .. 256, independently; kernels are templated on a
+// padded bucket DP = 64, 128 or 256 >= max(D, Dv). Tiles are loaded into shared memory
+// zero-filled beyond D / Dv and beyond Lq / Lk, so the padding contributes exact zeros.
+//
+// Work split (all grids 1-D, the block index fastest so the blocks of one head run together):
+// - forward: one CTA of 4 warps per (64 query rows, b, h); each warp owns 16 rows. Q stays in
+//   shared memory; the CTA walks the BN-key tiles that intersect the band (tiles entirely outside
+//   it are skipped), loading K (row-major) and V (transposed, V^T) into shared memory. Per tile:
+//   S = Q K^T (mma), mask / band / bounds applied per element, online softmax in log2 units
+//   (exp2f, log2(e) folded into the scale; running max per row in registers, per-lane partial
+//   sums reduced over the quad at the end), dropout on the probabilities that feed P V (the
+//   row sums use the undropped P), O rescaled and O += P V with P reused from the accumulator
+//   registers as the A operand. Epilogue: O * (1/(1-p)) / l, lse = (m + log2 l) * ln 2.
+//   DP = 64, 128: BN = 64; DP = 256: BN = 32.
+// - backward, three kernels, deterministic:
+//   * delta = rowsum(dO * O), one warp per row;
+//   * dK/dV: one CTA per (BN keys, b, kv head), BN / 16 warps of 16 keys each. It loops over
+//     the GQA group's query heads and, for each, over the BM-query blocks inside the band,
+//     recomputing S^T = K Q^T and dP^T = V dO^T with mma, P^T = exp2(S^T - lse), dS^T, and
+//     accumulating dV += (P Z)^T dO and dK += dS^T Q. Accumulators are float32 in shared memory
+//     (each element owned by one lane: no races, no atomics), so any DP fits without spilling;
+//   * dQ: one CTA per (BM queries, b, h), looping over the band's key tiles; dQ += dS K with
+//     shared float32 accumulators. When need_dmask, it writes dS (float32) for every visited
+//     (i, j) of dmask; dmask is zero-initialised, which covers the tiles outside the band.
+// Tiles (queries x keys): forward 64 x 64 / 64 x 64 / 64 x 32; dK/dV (keys x queries) 64 x 64 /
+// 64 x 32 / 32 x 32; dQ 64 x 64 / 64 x 64 / 32 x 32 for DP = 64 / 128 / 256. Shared memory per
+// CTA, computed from the template parameters (Cfg::SMEM) and static_asserted to fit the sm_80
+// opt-in limit of 163 KiB: forward 27 / 52 / 69.5 KiB; dK/dV 70.5 / 117.3 / 131.3 KiB; dQ 53 /
+// 101 / 98.5 KiB. (GPUs with less, e.g. sm_86 / sm_89 with 99 KiB, get a clear error for the
+// larger buckets.) Row strides are padded by 16 bytes (8 halves, or 4 floats for the float32
+// accumulators), which makes the 32-bit fragment loads bank-conflict free.
+//
+// Simplicity over speed (these kernels were written without a GPU to run them on): global ->
+// shared copies are synchronous (16-byte vectors when aligned; no cp.async pipelining, no TMA,
+// no ldmatrix), and the masked, bounds-checked scores path runs on every tile. Every shared and
+// global access is bounds-checked or covered by a static_assert on the tile shapes.
+//
+// Limits: Lq, Lk <= 2^29; head dims <= 256; H a multiple of Hkv; q / k / v / dout with a unit
+// last stride (any other strides); lse contiguous float32. Offsets are int64.
+#include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "fastattn/common.h"
+#include "fastattn/cuda_mma.cuh"
+#include "fastattn/rng.h"
+
+namespace fastattn {
+namespace cuda {
+namespace {
+
+using namespace ::fastattn::cuda_helpers;
+
+constexpr int kMaxHeadDim = 256;
+constexpr int64_t kMaxSeqLen = int64_t{1} << 29;
+constexpr int kSm80SmemOptin = 166912;  // 163 KB: the largest opt-in shared memory on sm_80
+
+struct AttnParams {
+  // Inputs (16-bit element patterns), strides in elements for (batch, head, row).
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t q_sb, q_sh, q_sl;
+  int64_t k_sb, k_sh, k_sl;
+  int64_t v_sb, v_sh, v_sl;
+  bool vec_q, vec_k, vec_v, vec_do;  // 16-byte vector loads allowed
+
+  const void* mask;  // nullptr when mask_kind == kNone
+  MaskKind mask_kind;
+  int64_t m_sb, m_sh, m_sl, m_sk;
+
+  int B, H, Hkv, group, Lq, Lk, D, Dv;
+  int band_lo, band_hi;  // offset - left, offset + right, clamped to +-(Lq + Lk + 1)
+  float scale, scale_log2;
+  bool dropout;
+  int64_t seed;
+  uint32_t threshold;
+  float rcp_keep;  // 1 / (1 - p); 1 without dropout
+
+  // Forward outputs: out (B, H, Lq, Dv) and lse (B, H, Lq), contiguous.
+  uint16_t* out;
+  float* lse;
+
+  // Backward inputs and outputs.
+  const uint16_t* dout;
+  int64_t do_sb, do_sh, do_sl;
+  const uint16_t* o;  // the forward output
+  int64_t o_sb, o_sh, o_sl;
+  const float* lse_in;  // (B, H, Lq) contiguous
+  float* delta;         // (B, H, Lq) scratch
+  uint16_t* dq;         // (B, H, Lq, D) contiguous
+  uint16_t* dk;         // (B, Hkv, Lk, D) contiguous
+  uint16_t* dv;         // (B, Hkv, Lk, Dv) contiguous
+  float* dmask;         // (B, H, Lq, Lk) contiguous, or nullptr
+};
+
+// ---------------------------------------------------------------------------------------------
+// Global -> shared tile copies. A tile is ROWS rows x DP columns of 16-bit elements; global rows
+// row0 + r (r < ROWS) with the given stride; rows >= n_rows and columns >= n_cols are zero.
+
+template <int ROWS, int DP, int LD, int NTHREADS>
+__device__ __forceinline__ void load_tile(uint16_t* __restrict__ s, const uint16_t* __restrict__ g,
+                                          int64_t row_stride, int row0, int n_rows, int n_cols,
+                                          bool vec) {
+  static_assert(DP % 8 == 0 && LD % 8 == 0, "tile rows must be whole 16-byte chunks");
+  constexpr int CHUNKS = DP / 8;
+  for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NTHREADS) {
+    const int r = c / CHUNKS;
+    const int col = (c % CHUNKS) * 8;
+    const int gr = row0 + r;
+    uint16_t* dst = s + r * LD + col;
+    if (gr < n_rows && vec && col + 8 <= n_cols) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(g + int64_t{gr} * row_stride + col);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        dst[e] = (gr < n_rows && col + e < n_cols) ? g[int64_t{gr} * row_stride + col + e] : uint16_t{0};
+      }
+    }
+  }
+}
+
+// The same tile stored transposed: s[col * LDT + r] (DP rows of ROWS elements).
+template <int ROWS, int DP, int LDT, int NTHREADS>
+__device__ __forceinline__ void load_tile_transposed(uint16_t* __restrict__ s,
+                                                     const uint16_t* __restrict__ g,
+                                                     int64_t row_stride, int row0, int n_rows,
+                                                     int n_cols, bool vec) {
+  static_assert(DP % 8 == 0, "tile rows must be whole 16-byte chunks");
+  static_assert(LDT >= ROWS, "transposed row stride too small");
+  constexpr int CHUNKS = DP / 8;
+  for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NTHREADS) {
+    const int r = c / CHUNKS;
+    const int col = (c % CHUNKS) * 8;
+    const int gr = row0 + r;
+    uint16_t vals[8];
+    if (gr < n_rows && vec && col + 8 <= n_cols) {
+      const uint4 u = *reinterpret_cast<const uint4*>(g + int64_t{gr} * row_stride + col);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        vals[2 * e] = static_cast<uint16_t>(w[e] & 0xffffu);
+        vals[2 * e + 1] = static_cast<uint16_t>(w[e] >> 16);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        vals[e] = (gr < n_rows && col + e < n_cols) ? g[int64_t{gr} * row_stride + col + e] : uint16_t{0};
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[(col + e) * LDT + r] = vals[e];
+  }
+}
+
+template <int N, int NTHREADS>
+__device__ __forceinline__ void zero_floats(float* s) {
+  for (int i = threadIdx.x; i < N; i += NTHREADS) s[i] = 0.f;
+}
+
+// Whether key j is visible to query i (bounds and band); the caller adds the user mask.
+__device__ __forceinline__ bool visible(const AttnParams& p, int i, int j) {
+  return i < p.Lq && j < p.Lk && j >= i + p.band_lo && j <= i + p.band_hi;
+}
+
+// The key range [n_begin, n_end) that queries [m0, m0 + rows) may see (empty if n_begin >= n_end).
+__device__ __forceinline__ void key_range(const AttnParams& p, int m0, int rows, int& n_begin,
+                                          int& n_end) {
+  const int m_last = min(m0 + rows, p.Lq) - 1;
+  n_begin = max(0, m0 + p.band_lo);
+  n_end = min(p.Lk, m_last + p.band_hi + 1);
+}
+
+// The query range [i_begin, i_end) that may see keys [n0, n0 + rows).
+__device__ __forceinline__ void query_range(const AttnParams& p, int n0, int rows, int& i_begin,
+                                            int& i_end) {
+  const int n_last = min(n0 + rows, p.Lk) - 1;
+  i_begin = max(0, n0 - p.band_hi);
+  i_end = min(p.Lq, n_last - p.band_lo + 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+template <int DP_, int BN_>
+struct FwdCfg {
+  static constexpr int DP = DP_, BN = BN_, BM = 64, NWARPS = 4, NTHREADS = 32 * NWARPS;
+  static constexpr int LD = DP + 8;   // Q and K rows (16 bytes of padding: conflict-free)
+  static constexpr int LDV = BN + 8;  // V^T rows
+  static constexpr int Q_ELEMS = BM * LD, K_ELEMS = BN * LD, VT_ELEMS = DP * LDV;
+  static constexpr int SMEM = (Q_ELEMS + K_ELEMS + VT_ELEMS) * 2;
+  static_assert(BM == 16 * NWARPS, "one warp per 16 query rows");
+  static_assert(DP % 16 == 0 && BN % 16 == 0, "mma tiles are 16 deep");
+  static_assert((LD * 2) % 16 == 0 && (LDV * 2) % 16 == 0, "rows must stay 16-byte aligned");
+  static_assert((Q_ELEMS * 2) % 16 == 0 && (K_ELEMS * 2) % 16 == 0, "sections 16-byte aligned");
+  static_assert(SMEM <= kSm80SmemOptin, "forward tile does not fit in sm_80 shared memory");
+};
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::NTHREADS) attn_fwd_kernel(const AttnParams p) {
+  using M16 = Mma16<T>;
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, LD = Cfg::LD, LDV = Cfg::LDV;
+  constexpr int NT = Cfg::NTHREADS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sK = sQ + Cfg::Q_ELEMS;
+  uint16_t* sVt = sK + Cfg::K_ELEMS;
+
+  const int num_qb = (p.Lq + BM - 1) / BM;
+  const int qb = static_cast<int>(blockIdx.x % num_qb);
+  const int64_t bh = blockIdx.x / num_qb;
+  const int b = static_cast<int>(bh / p.H), h = static_cast<int>(bh % p.H);
+  const int hk = h / p.group;
+  const int m0 = qb * BM;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
+  const int r_loc[2] = {warp * 16 + (lane >> 2), warp * 16 + (lane >> 2) + 8};
+  const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
+
+  const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
+  const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* v_base = p.v + b * p.v_sb + hk * p.v_sh;
+  load_tile<BM, DP, LD, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+
+  int64_t mask_row[2] = {0, 0};
+  uint32_t rng_row[2] = {0, 0};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mask_row[r] = b * p.m_sb + h * p.m_sh + int64_t{i_row[r]} * p.m_sl;
+    rng_row[r] = dropout_row_base(i_row[r], p.Lk);
+  }
+  const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
+
+  float o[DP / 8][4] = {};
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};  // per-lane partial row sums (reduced over the quad at the end)
+
+  int n_begin, n_end;
+  key_range(p, m0, BM, n_begin, n_end);
+  if (n_begin < n_end) {
+    for (int n0 = (n_begin / BN) * BN; n0 < n_end; n0 += BN) {
+      __syncthreads();  // the previous tile's K / V^T are no longer read (and Q is loaded)
+      load_tile<BN, DP, LD, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+      load_tile_transposed<BN, DP, LDV, NT>(sVt, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
+      __syncthreads();
+
+      float s[BN / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        uint32_t a[4];
+        load_a_frag(a, sQ, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          uint32_t b0, b1;
+          load_b_frag_rows(b0, b1, sK, LD, nt * 8, kk * 16, lane);
+          M16::mma(s[nt], a, b0, b1);
+        }
+      }
+
+      // Scores in log2 units, -inf where not visible; the tile's row maxima.
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          float v = -INFINITY;
+          if (visible(p, i_row[r], j)) {
+            v = s[nt][e] * p.scale_log2;
+            if (p.mask_kind != MaskKind::kNone) {
+              v += mask_additive(p.mask, p.mask_kind, mask_row[r] + int64_t{j} * p.m_sk) * kLog2e;
+            }
+          }
+          s[nt][e] = v;
+          mx[r] = fmaxf(mx[r], v);
+        }
+      }
+      float m_safe[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+        m_safe[r] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[r] = exp2f(m_run[r] - m_safe[r]);  // 0 while the row was empty
+        m_run[r] = m_new;
+        l_run[r] *= alpha[r];
+      }
+      // Probabilities (relative to the running max), the row sums, then dropout.
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          float pr = exp2f(s[nt][e] - m_safe[r]);  // exp2(-inf) = 0 where not visible
+          l_run[r] += pr;
+          if (p.dropout) {
+            const uint32_t j = static_cast<uint32_t>(n0 + nt * 8 + 2 * t + (e & 1));
+            if (dropout_bits(stream, rng_row[r], j) < p.threshold) pr = 0.f;
+          }
+          s[nt][e] = pr;
+        }
+      }
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
+      }
+      // O += P V: P's accumulators are the A fragments; B = V (k = key, n = dim) from V^T rows.
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        const uint32_t a[4] = {M16::pack(s[2 * ks][0], s[2 * ks][1]),
+                               M16::pack(s[2 * ks][2], s[2 * ks][3]),
+                               M16::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                               M16::pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+          uint32_t b0, b1;
+          load_b_frag_rows(b0, b1, sVt, LDV, dt * 8, ks * 16, lane);
+          M16::mma(o[dt], a, b0, b1);
+        }
+      }
+    }
+  }
+
+  // Epilogue: normalize, store O (columns < Dv) and lse.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_run[r]);
+    const int i = i_row[r];
+    if (i >= p.Lq) continue;
+    const float inv = l > 0.f ? p.rcp_keep / l : 0.f;  // fully masked row: O = 0
+    uint16_t* out_row = p.out + (bh * p.Lq + i) * p.Dv;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = dt * 8 + 2 * t + e;
+        if (c < p.Dv) out_row[c] = M16::from_float(o[dt][2 * r + e] * inv);
+      }
+    }
+    if (t == 0) p.lse[bh * p.Lq + i] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward 1/3: delta = rowsum(dO * O), float32, one warp per (b, h, i) row.
+
+template <typename T>
+__global__ void __launch_bounds__(128) attn_bwd_delta_kernel(const AttnParams p) {
+  using M16 = Mma16<T>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t rows = int64_t{p.B} * p.H * p.Lq;
+  for (int64_t row = int64_t{blockIdx.x} * 4 + warp; row < rows; row += int64_t{gridDim.x} * 4) {
+    const int64_t bh = row / p.Lq;
+    const int64_t i = row % p.Lq;
+    const int64_t b = bh / p.H, h = bh % p.H;
+    const uint16_t* dO = p.dout + b * p.do_sb + h * p.do_sh + i * p.do_sl;
+    const uint16_t* O = p.o + b * p.o_sb + h * p.o_sh + i * p.o_sl;
+    float acc = 0.f;
+    for (int d = lane; d < p.Dv; d += 32) acc += M16::to_float(dO[d]) * M16::to_float(O[d]);
+    acc = warp_sum(acc);
+    if (lane == 0) p.delta[row] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward 2/3: dK and dV, one CTA per (BN keys, b, kv head).
+
+template <int DP_, int BN_, int BM_>
+struct BwdKVCfg {
+  static constexpr int DP = DP_, BN = BN_, BM = BM_, NWARPS = BN / 16, NTHREADS = 32 * NWARPS;
+  static constexpr int LD = DP + 8;  // 16-bit tiles
+  static constexpr int LDA = DP + 4;  // float accumulators (conflict-free float2-sized pairs)
+  static constexpr int K_ELEMS = BN * LD, Q_ELEMS = BM * LD, ACC_ELEMS = BN * LDA;
+  static constexpr int SMEM = (2 * K_ELEMS + 2 * Q_ELEMS) * 2 + (2 * ACC_ELEMS + 2 * BM) * 4;
+  static_assert(BN % 16 == 0 && BM % 16 == 0 && DP % 16 == 0, "mma tiles are 16 deep");
+  static_assert((K_ELEMS * 2) % 16 == 0 && (Q_ELEMS * 2) % 16 == 0 && (ACC_ELEMS * 4) % 16 == 0,
+                "sections 16-byte aligned");
+  static_assert(SMEM <= kSm80SmemOptin, "dK/dV tile does not fit in sm_80 shared memory");
+};
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dkdv_kernel(const AttnParams p) {
+  using M16 = Mma16<T>;
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, LD = Cfg::LD, LDA = Cfg::LDA;
+  constexpr int NT = Cfg::NTHREADS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* sK = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sV = sK + Cfg::K_ELEMS;
+  uint16_t* sQ = sV + Cfg::K_ELEMS;
+  uint16_t* sdO = sQ + Cfg::Q_ELEMS;
+  float* sdK = reinterpret_cast<float*>(sdO + Cfg::Q_ELEMS);
+  float* sdV = sdK + Cfg::ACC_ELEMS;
+  float* sLse = sdV + Cfg::ACC_ELEMS;  // BM: lse * log2(e) of the current query block
+  float* sDelta = sLse + BM;           // BM
+
+  const int num_kb = (p.Lk + BN - 1) / BN;
+  const int kb = static_cast<int>(blockIdx.x % num_kb);
+  const int64_t bhk = blockIdx.x / num_kb;
+  const int b = static_cast<int>(bhk / p.Hkv), hk = static_cast<int>(bhk % p.Hkv);
+  const int n0 = kb * BN;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
+  const int kr[2] = {warp * 16 + (lane >> 2), warp * 16 + (lane >> 2) + 8};  // local key rows
+  const int j_row[2] = {n0 + kr[0], n0 + kr[1]};
+
+  load_tile<BN, DP, LD, NT>(sK, p.k + b * p.k_sb + hk * p.k_sh, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+  load_tile<BN, DP, LD, NT>(sV, p.v + b * p.v_sb + hk * p.v_sh, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
+  zero_floats<2 * Cfg::ACC_ELEMS, NT>(sdK);  // sdK and sdV are adjacent
+
+  int i_begin, i_end;
+  query_range(p, n0, BN, i_begin, i_end);
+  if (i_begin < i_end) {
+    for (int gi = 0; gi < p.group; ++gi) {
+      const int h = hk * p.group + gi;
+      const int64_t bh = int64_t{b} * p.H + h;
+      const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
+      const uint16_t* do_base = p.dout + b * p.do_sb + h * p.do_sh;
+      const int64_t mask_base = b * p.m_sb + h * p.m_sh;
+      const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
+      for (int m0 = (i_begin / BM) * BM; m0 < i_end; m0 += BM) {
+        __syncthreads();  // previous block's sQ / sdO / sLse / sDelta no longer read
+        load_tile<BM, DP, LD, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+        load_tile<BM, DP, LD, NT>(sdO, do_base, p.do_sl, m0, p.Lq, p.Dv, p.vec_do);
+        for (int r = threadIdx.x; r < BM; r += NT) {
+          const int i = m0 + r;
+          sLse[r] = i < p.Lq ? p.lse_in[bh * p.Lq + i] * kLog2e : -INFINITY;
+          sDelta[r] = i < p.Lq ? p.delta[bh * p.Lq + i] : 0.f;
+        }
+        __syncthreads();
+
+        // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
+        float st[BM / 8][4] = {};
+        float dpt[BM / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) {
+          uint32_t a[4];
+          load_a_frag(a, sK, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+          for (int nt = 0; nt < BM / 8; ++nt) {
+            uint32_t b0, b1;
+            load_b_frag_rows(b0, b1, sQ, LD, nt * 8, kk * 16, lane);
+            M16::mma(st[nt], a, b0, b1);
+          }
+          load_a_frag(a, sV, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+          for (int nt = 0; nt < BM / 8; ++nt) {
+            uint32_t b0, b1;
+            load_b_frag_rows(b0, b1, sdO, LD, nt * 8, kk * 16, lane);
+            M16::mma(dpt[nt], a, b0, b1);
+          }
+        }
+        // st <- P^T * Z (operand of dV), dpt <- dS^T (operand of dK).
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = j_row[e >> 1];
+            const int qc = nt * 8 + 2 * t + (e & 1);
+            const int i = m0 + qc;
+            const float lse2 = sLse[qc];
+            float pz = 0.f, ds = 0.f;
+            if (visible(p, i, j) && lse2 != -INFINITY) {
+              float v = st[nt][e] * p.scale_log2;
+              if (p.mask_kind != MaskKind::kNone) {
+                v += mask_additive(p.mask, p.mask_kind,
+                                   mask_base + int64_t{i} * p.m_sl + int64_t{j} * p.m_sk) * kLog2e;
+              }
+              const float pr = exp2f(v - lse2);
+              float z = 1.f;
+              if (p.dropout) {
+                const bool keep = dropout_bits(stream, dropout_row_base(i, p.Lk),
+                                               static_cast<uint32_t>(j)) >= p.threshold;
+                z = keep ? p.rcp_keep : 0.f;
+              }
+              pz = pr * z;
+              ds = pr * (dpt[nt][e] * z - sDelta[qc]);
+            }
+            st[nt][e] = pz;
+            dpt[nt][e] = ds;
+          }
+        }
+        // A fragments (rows = keys, k = queries) of P^T Z and dS^T.
+        uint32_t a_p[BM / 16][4], a_ds[BM / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < BM / 16; ++ks) {
+          a_p[ks][0] = M16::pack(st[2 * ks][0], st[2 * ks][1]);
+          a_p[ks][1] = M16::pack(st[2 * ks][2], st[2 * ks][3]);
+          a_p[ks][2] = M16::pack(st[2 * ks + 1][0], st[2 * ks + 1][1]);
+          a_p[ks][3] = M16::pack(st[2 * ks + 1][2], st[2 * ks + 1][3]);
+          a_ds[ks][0] = M16::pack(dpt[2 * ks][0], dpt[2 * ks][1]);
+          a_ds[ks][1] = M16::pack(dpt[2 * ks][2], dpt[2 * ks][3]);
+          a_ds[ks][2] = M16::pack(dpt[2 * ks + 1][0], dpt[2 * ks + 1][1]);
+          a_ds[ks][3] = M16::pack(dpt[2 * ks + 1][2], dpt[2 * ks + 1][3]);
+        }
+        // dV += (P Z)^T dO and dK += dS^T Q, 8 columns at a time, into this lane's own
+        // accumulator elements (rows kr[0] / kr[1], columns dt * 8 + 2t, +1).
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+          float cv[4] = {}, ck[4] = {};
+#pragma unroll
+          for (int ks = 0; ks < BM / 16; ++ks) {
+            uint32_t b0, b1;
+            load_b_frag_cols(b0, b1, sdO, LD, dt * 8, ks * 16, lane);
+            M16::mma(cv, a_p[ks], b0, b1);
+            load_b_frag_cols(b0, b1, sQ, LD, dt * 8, ks * 16, lane);
+            M16::mma(ck, a_ds[ks], b0, b1);
+          }
+          const int c = dt * 8 + 2 * t;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            sdV[kr[r] * LDA + c] += cv[2 * r];
+            sdV[kr[r] * LDA + c + 1] += cv[2 * r + 1];
+            sdK[kr[r] * LDA + c] += ck[2 * r];
+            sdK[kr[r] * LDA + c + 1] += ck[2 * r + 1];
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();  // all warps' accumulators (and the zero fill) are complete
+  uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
+  uint16_t* dv = p.dv + (int64_t{b} * p.Hkv + hk) * p.Lk * p.Dv;
+  for (int idx = threadIdx.x; idx < BN * DP; idx += NT) {
+    const int r = idx / DP, c = idx % DP;
+    const int j = n0 + r;
+    if (j >= p.Lk) continue;
+    if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(sdK[r * LDA + c] * p.scale);
+    if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(sdV[r * LDA + c]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward 3/3: dQ (and dmask), one CTA per (BM queries, b, h).
+
+template <int DP_, int BM_, int BN_>
+struct BwdQCfg {
+  static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
+  static constexpr int LD = DP + 8;
+  static constexpr int LDA = DP + 4;
+  static constexpr int Q_ELEMS = BM * LD, K_ELEMS = BN * LD, ACC_ELEMS = BM * LDA;
+  static constexpr int SMEM = (2 * Q_ELEMS + 2 * K_ELEMS) * 2 + ACC_ELEMS * 4;
+  static_assert(BN % 16 == 0 && BM % 16 == 0 && DP % 16 == 0, "mma tiles are 16 deep");
+  static_assert((K_ELEMS * 2) % 16 == 0 && (Q_ELEMS * 2) % 16 == 0, "sections 16-byte aligned");
+  static_assert(SMEM <= kSm80SmemOptin, "dQ tile does not fit in sm_80 shared memory");
+};
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dq_kernel(const AttnParams p) {
+  using M16 = Mma16<T>;
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, LD = Cfg::LD, LDA = Cfg::LDA;
+  constexpr int NT = Cfg::NTHREADS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sdO = sQ + Cfg::Q_ELEMS;
+  uint16_t* sK = sdO + Cfg::Q_ELEMS;
+  uint16_t* sV = sK + Cfg::K_ELEMS;
+  float* sdQ = reinterpret_cast<float*>(sV + Cfg::K_ELEMS);
+
+  const int num_qb = (p.Lq + BM - 1) / BM;
+  const int qb = static_cast<int>(blockIdx.x % num_qb);
+  const int64_t bh = blockIdx.x / num_qb;
+  const int b = static_cast<int>(bh / p.H), h = static_cast<int>(bh % p.H);
+  const int hk = h / p.group;
+  const int m0 = qb * BM;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
+  const int r_loc[2] = {warp * 16 + (lane >> 2), warp * 16 + (lane >> 2) + 8};
+  const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
+
+  load_tile<BM, DP, LD, NT>(sQ, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+  load_tile<BM, DP, LD, NT>(sdO, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0, p.Lq, p.Dv,
+                            p.vec_do);
+  zero_floats<Cfg::ACC_ELEMS, NT>(sdQ);
+  const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* v_base = p.v + b * p.v_sb + hk * p.v_sh;
+
+  float lse2[2], delta[2];
+  int64_t mask_row[2];
+  uint32_t rng_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i_row[r];
+    lse2[r] = i < p.Lq ? p.lse_in[bh * p.Lq + i] * kLog2e : -INFINITY;
+    delta[r] = i < p.Lq ? p.delta[bh * p.Lq + i] : 0.f;
+    mask_row[r] = b * p.m_sb + h * p.m_sh + int64_t{i} * p.m_sl;
+    rng_row[r] = dropout_row_base(i, p.Lk);
+  }
+  const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
+  float* dmask_rows = p.dmask != nullptr ? p.dmask + bh * p.Lq * p.Lk : nullptr;
+
+  int n_begin, n_end;
+  key_range(p, m0, BM, n_begin, n_end);
+  if (n_begin < n_end) {
+    for (int n0 = (n_begin / BN) * BN; n0 < n_end; n0 += BN) {
+      __syncthreads();  // previous sK / sV no longer read (and sQ / sdO / sdQ ready)
+      load_tile<BN, DP, LD, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+      load_tile<BN, DP, LD, NT>(sV, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
+      __syncthreads();
+
+      float s[BN / 8][4] = {};
+      float dp[BN / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        uint32_t a[4];
+        load_a_frag(a, sQ, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          uint32_t b0, b1;
+          load_b_frag_rows(b0, b1, sK, LD, nt * 8, kk * 16, lane);
+          M16::mma(s[nt], a, b0, b1);
+        }
+        load_a_frag(a, sdO, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          uint32_t b0, b1;
+          load_b_frag_rows(b0, b1, sV, LD, nt * 8, kk * 16, lane);
+          M16::mma(dp[nt], a, b0, b1);
+        }
+      }
+      // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile.
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const int i = i_row[r];
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          float ds = 0.f;
+          if (visible(p, i, j) && lse2[r] != -INFINITY) {
+            float v = s[nt][e] * p.scale_log2;
+            if (p.mask_kind != MaskKind::kNone) {
+              v += mask_additive(p.mask, p.mask_kind, mask_row[r] + int64_t{j} * p.m_sk) * kLog2e;
+            }
+            const float pr = exp2f(v - lse2[r]);
+            float z = 1.f;
+            if (p.dropout) {
+              const bool keep = dropout_bits(stream, rng_row[r], static_cast<uint32_t>(j)) >= p.threshold;
+              z = keep ? p.rcp_keep : 0.f;
+            }
+            ds = pr * (dp[nt][e] * z - delta[r]);
+          }
+          if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
+          s[nt][e] = ds;
+        }
+      }
+      // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) from K's rows.
+      uint32_t a_ds[BN / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        a_ds[ks][0] = M16::pack(s[2 * ks][0], s[2 * ks][1]);
+        a_ds[ks][1] = M16::pack(s[2 * ks][2], s[2 * ks][3]);
+        a_ds[ks][2] = M16::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        a_ds[ks][3] = M16::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        float c4[4] = {};
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks) {
+          uint32_t b0, b1;
+          load_b_frag_cols(b0, b1, sK, LD, dt * 8, ks * 16, lane);
+          M16::mma(c4, a_ds[ks], b0, b1);
+        }
+        const int c = dt * 8 + 2 * t;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          sdQ[r_loc[r] * LDA + c] += c4[2 * r];
+          sdQ[r_loc[r] * LDA + c + 1] += c4[2 * r + 1];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  uint16_t* dq = p.dq + bh * p.Lq * p.D;
+  for (int idx = threadIdx.x; idx < BM * DP; idx += NT) {
+    const int r = idx / DP, c = idx % DP;
+    const int i = m0 + r;
+    if (i < p.Lq && c < p.D) dq[int64_t{i} * p.D + c] = M16::from_float(sdQ[r * LDA + c] * p.scale);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+// Tile configurations per padded head dim.
+template <int DP>
+struct Configs;
+template <>
+struct Configs<64> {
+  using Fwd = FwdCfg<64, 64>;
+  using KV = BwdKVCfg<64, 64, 64>;
+  using Q = BwdQCfg<64, 64, 64>;
+};
+template <>
+struct Configs<128> {
+  using Fwd = FwdCfg<128, 64>;
+  using KV = BwdKVCfg<128, 64, 32>;
+  using Q = BwdQCfg<128, 64, 64>;
+};
+template <>
+struct Configs<256> {
+  using Fwd = FwdCfg<256, 32>;
+  using KV = BwdKVCfg<256, 32, 32>;
+  using Q = BwdQCfg<256, 32, 32>;
+};
+
+template <typename Fn>
+void with_head_bucket(int64_t d_max, Fn&& fn) {
+  if (d_max <= 64) {
+    fn(std::integral_constant<int, 64>{});
+  } else if (d_max <= 128) {
+    fn(std::integral_constant<int, 128>{});
+  } else {
+    fn(std::integral_constant<int, 256>{});
+  }
+}
+
+// Launches `kernel` with `smem` bytes of dynamic shared memory on `blocks` 1-D blocks.
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, int threads, int smem, const AttnParams& p,
+            int device, cudaStream_t stream, const char* what) {
+  if (blocks == 0) return;
+  TORCH_CHECK(blocks <= int64_t{0x7fffffff}, what, ": too many blocks (", blocks,
+              "); reduce batch * heads * sequence length");
+  const int limit = max_smem_optin(device);
+  TORCH_CHECK(smem <= limit, what, " needs ", smem, " bytes of shared memory per block but this ",
+              "GPU allows ", limit, "; use a smaller head dim or backend=\"triton\"");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  check_cuda_tensor(t, name);
+  check_device(t, q, name, "q");
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (batch, heads, length, head_dim), got shape ",
+              t.sizes());
+  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, name,
+              " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
+              t.strides());
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt != at::kFloat, "the cuda attention kernels take float16 or bfloat16; ", name,
+              " is float32 (shape ", t.sizes(), "). Use backend=\"triton\" or backend=\"cpu\" ",
+              "for float32, or cast q, k, v to bfloat16 / float16");
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, name,
+              " must be float16 or bfloat16 for the cuda attention kernels, got ", dt, " (shape ",
+              t.sizes(), ")");
+  check_dtype(t, q.scalar_type(), name);
+}
+
+// Validates q, k, v, mask and the scalars; fills the shared fields of AttnParams.
+AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& mask, double scale, int64_t offset,
+                       int64_t left, int64_t right, double dropout_p, int64_t seed) {
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D, "k must have shape (", B, ", Hkv, Lk, ", D,
+              ") for q of shape ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.size(0) == B && v.size(1) == Hkv && v.size(2) == Lk, "v must have shape (", B,
+              ", ", Hkv, ", ", Lk, ", Dv) for k of shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK((Hkv >= 1 && H % Hkv == 0) || (H == 0 && Hkv == 0),
+              "the number of query heads (", H, ") must be a multiple of the key/value heads (",
+              Hkv, ")");
+  TORCH_CHECK(D <= kMaxHeadDim && Dv <= kMaxHeadDim, "head dims up to ", kMaxHeadDim,
+              " are supported, got q/k head dim ", D, " and v head dim ", Dv);
+  TORCH_CHECK(Lq <= kMaxSeqLen && Lk <= kMaxSeqLen, "sequence lengths up to ", kMaxSeqLen,
+              " are supported, got Lq = ", Lq, ", Lk = ", Lk);
+  TORCH_CHECK(B <= 0x7fffffff && H <= 0x7fffffff, "batch and heads must fit in int32, got ",
+              q.sizes());
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+
+  AttnParams p{};
+  p.q = reinterpret_cast<const uint16_t*>(q.const_data_ptr());
+  p.k = reinterpret_cast<const uint16_t*>(k.const_data_ptr());
+  p.v = reinterpret_cast<const uint16_t*>(v.const_data_ptr());
+  p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_sl = q.stride(2);
+  p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_sl = k.stride(2);
+  p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_sl = v.stride(2);
+  p.vec_q = is_aligned(p.q, 16) && strides_multiple_of({p.q_sb, p.q_sh, p.q_sl}, 8);
+  p.vec_k = is_aligned(p.k, 16) && strides_multiple_of({p.k_sb, p.k_sh, p.k_sl}, 8);
+  p.vec_v = is_aligned(p.v, 16) && strides_multiple_of({p.v_sb, p.v_sh, p.v_sl}, 8);
+
+  p.mask_kind = mask_kind_of(mask);
+  if (mask.has_value()) {
+    check_cuda_tensor(*mask, "mask");
+    check_device(*mask, q, "mask", "q");
+    TORCH_CHECK(mask->dim() == 4, "mask must be a 4-D (B, H, Lq, Lk) view, got shape ",
+                mask->sizes());
+    check_shape(*mask, {B, H, Lq, Lk}, "mask");
+    p.mask = mask->const_data_ptr();
+    p.m_sb = mask->stride(0), p.m_sh = mask->stride(1);
+    p.m_sl = mask->stride(2), p.m_sk = mask->stride(3);
+  }
+
+  p.B = static_cast<int>(B), p.H = static_cast<int>(H), p.Hkv = static_cast<int>(Hkv);
+  p.group = Hkv > 0 ? static_cast<int>(H / Hkv) : 1;
+  p.Lq = static_cast<int>(Lq), p.Lk = static_cast<int>(Lk);
+  p.D = static_cast<int>(D), p.Dv = static_cast<int>(Dv);
+  // The band; a bound past +-(Lq + Lk) is equivalent to +-(Lq + Lk + 1), which fits in int32.
+  const int64_t lim = Lq + Lk + 1;
+  p.band_lo = static_cast<int>(std::clamp<int64_t>(offset - left, -lim, lim));
+  p.band_hi = static_cast<int>(std::clamp<int64_t>(offset + right, -lim, lim));
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.dropout = dropout_p > 0.0;
+  p.seed = seed;
+  p.threshold = dropout_threshold(dropout_p);
+  p.rcp_keep = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
+  return p;
+}
+
+template <typename T, int DP>
+void run_fwd(const AttnParams& p, int device, cudaStream_t stream) {
+  using Cfg = typename Configs<DP>::Fwd;
+  const int64_t blocks = ceil_div(p.Lq, Cfg::BM) * p.B * p.H;
+  launch(attn_fwd_kernel<T, Cfg>, blocks, Cfg::NTHREADS, Cfg::SMEM, p, device, stream,
+         "attention_fwd");
+}
+
+template <typename T, int DP>
+void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
+  using KV = typename Configs<DP>::KV;
+  using Q = typename Configs<DP>::Q;
+  const int64_t rows = int64_t{p.B} * p.H * p.Lq;
+  if (rows > 0) {
+    attn_bwd_delta_kernel<T><<<grid_1d(ceil_div(rows, 4)), 128, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  launch(attn_bwd_dkdv_kernel<T, KV>, ceil_div(p.Lk, KV::BN) * p.B * p.Hkv, KV::NTHREADS,
+         KV::SMEM, p, device, stream, "attention_bwd (dK/dV)");
+  launch(attn_bwd_dq_kernel<T, Q>, ceil_div(p.Lq, Q::BM) * p.B * p.H, Q::NTHREADS, Q::SMEM, p,
+         device, stream, "attention_bwd (dQ)");
+}
+
+template <typename Fn>
+void with_dtype(at::ScalarType dt, Fn&& fn) {
+  if (dt == at::kHalf) {
+    fn(c10::Half{});
+  } else {
+    fn(c10::BFloat16{});
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& mask,
+                                                      double scale, int64_t offset, int64_t left,
+                                                      int64_t right, double dropout_p,
+                                                      int64_t seed) {
+  AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({p.B, p.H, p.Lq, p.Dv}, q.options());
+  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  if (lse.numel() == 0) return {out, lse};
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  p.lse = lse.data_ptr<float>();
+  const int device = q.device().index();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  with_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
+      run_fwd<T, decltype(dp_const)::value>(p, device, stream);
+    });
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& mask,
+    double scale, int64_t offset, int64_t left, int64_t right, double dropout_p, int64_t seed,
+    bool need_dmask) {
+  AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
+  const std::vector<int64_t> o_shape{p.B, p.H, p.Lq, p.Dv};
+  for (const auto& [t, name] : {std::pair{&dout, "dout"}, std::pair{&out, "out"}}) {
+    check_qkv(*t, name, q);
+    check_shape(*t, o_shape, name);
+  }
+  check_cuda_tensor(lse, "lse");
+  check_device(lse, q, "lse", "q");
+  check_shape(lse, {p.B, p.H, p.Lq}, "lse");
+  check_dtype(lse, at::kFloat, "lse");
+  check_contiguous(lse, "lse");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor dq = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
+  at::Tensor dk = at::empty({p.B, p.Hkv, p.Lk, p.D}, q.options());
+  at::Tensor dv = at::empty({p.B, p.Hkv, p.Lk, p.Dv}, q.options());
+  // Not asked for: an empty tensor of q's dtype, as the op's fake implementation returns.
+  at::Tensor dmask = need_dmask ? at::zeros({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(at::kFloat))
+                                : at::empty({0}, q.options());
+  at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, dmask};
+
+  p.dout = reinterpret_cast<const uint16_t*>(dout.const_data_ptr());
+  p.do_sb = dout.stride(0), p.do_sh = dout.stride(1), p.do_sl = dout.stride(2);
+  p.vec_do = is_aligned(p.dout, 16) && strides_multiple_of({p.do_sb, p.do_sh, p.do_sl}, 8);
+  p.o = reinterpret_cast<const uint16_t*>(out.const_data_ptr());
+  p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sl = out.stride(2);
+  p.lse_in = lse.const_data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq = reinterpret_cast<uint16_t*>(dq.data_ptr());
+  p.dk = reinterpret_cast<uint16_t*>(dk.data_ptr());
+  p.dv = reinterpret_cast<uint16_t*>(dv.data_ptr());
+  p.dmask = need_dmask && dmask.numel() > 0 ? dmask.data_ptr<float>() : nullptr;
+  const int device = q.device().index();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  with_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
+      run_bwd<T, decltype(dp_const)::value>(p, device, stream);
+    });
+  });
+  return {dq, dk, dv, dmask};
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("attention_fwd", &cuda::attention_fwd_cuda);
+  m.impl("attention_bwd", &cuda::attention_bwd_cuda);
+}
+
+}  // namespace fastattn

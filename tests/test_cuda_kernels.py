@@ -1,0 +1,426 @@
+"""The CUDA C++ kernels (csrc/cuda: softmax.cu, ffn.cu, attention.cu) against the float64 reference.
+
+GPU only: every test is marked ``gpu`` (skipped on machines without CUDA, see conftest.py) and
+also skips when the extension was built without its CUDA kernels. The public functions are
+called with ``backend="cuda"`` (autograd included); ``torch.library.opcheck`` checks each op's
+registration (schema, fake implementation, autograd wiring) against the real kernels.
+
+Shapes are chosen to hit the kernels' edges: odd lengths (partial tiles), head dims that are not
+a multiple of the tile (40, 80, 96, 100), the three head-dim buckets (64, 128, 256), the softmax
+warp path (Lk <= 1024), its cached (<= 11264) and uncached block paths, and unaligned rows
+(scalar loads instead of 16-byte vectors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastattn
+from fastattn import reference as ref
+from fastattn.testing import assert_close_to_reference
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _cuda_backend_ready():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return fastattn.backend_status().get("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda_backend():
+    reason = _cuda_backend_ready()
+    if reason:
+        pytest.skip(f"cuda backend unavailable: {reason}")
+
+
+def _np(t):
+    return None if t is None else t.detach().to("cpu", torch.float64).numpy()
+
+
+def _mask_np(m):
+    if m is None:
+        return None
+    return m.cpu().numpy() if m.dtype == torch.bool else _np(m)
+
+
+def _close(name, got, want, tol):
+    """max |got - want| <= tol * max(1, max |want|) over finite reference entries."""
+    g = _np(got)
+    assert g.shape == want.shape, f"{name}: shape {g.shape} != {want.shape}"
+    assert np.isfinite(g).all(), f"{name}: non-finite values at {np.argwhere(~np.isfinite(g))[:5].tolist()}"
+    scale = max(1.0, float(np.abs(want).max()) if want.size else 0.0)
+    err = float(np.abs(g - want).max()) if want.size else 0.0
+    assert err <= tol * scale, f"{name}: max abs error {err:.3g} > {tol * scale:.3g}"
+
+
+def _sum_to(g, shape):
+    """Sum a full-shape gradient down to a broadcast shape (numpy)."""
+    lead = g.ndim - len(shape)
+    g = g.sum(axis=tuple(range(lead))) if lead else g
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+# =============================================================================================
+# softmax
+# =============================================================================================
+
+SM_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+# (L0, L1, Lq, Lk): warp path (E = 1..32 elements per lane), block path cached / uncached, long.
+SM_SHAPES = [
+    (2, 3, 5, 7),
+    (1, 1, 1, 1),
+    (2, 2, 9, 64),
+    (1, 2, 33, 1000),
+    (1, 2, 3, 1024),
+    (1, 2, 3, 1025),
+    (1, 1, 4, 4096),
+    (1, 1, 2, 11264),
+    (1, 1, 2, 12289),
+    (1, 1, 1, 262144),
+]
+
+
+def _sm_mask(kind, shape, gen):
+    L0, L1, Lq, Lk = shape
+    if kind is None:
+        return None
+    if kind == "bool_rows":  # (1, 1, Lq, Lk) broadcast, with a fully masked row
+        m = torch.rand(1, 1, Lq, Lk, generator=gen) > 0.3
+        m[..., 0, :] = False
+        return m.to(DEV)
+    if kind == "float_keys":  # (L0, 1, 1, Lk) float with -inf entries
+        m = torch.randn(L0, 1, 1, Lk, generator=gen)
+        m[torch.rand(m.shape, generator=gen) < 0.2] = float("-inf")
+        return m.to(DEV)
+    if kind == "f64_col":  # (L0, L1, Lq, 1): last-dim broadcast (stride 0 along Lk), float64
+        return torch.randn(L0, L1, Lq, 1, generator=gen, dtype=torch.float64).to(DEV)
+    if kind == "half_full":
+        return torch.randn(shape, generator=gen).half().to(DEV)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_softmax_shapes(shape, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (2 * torch.randn(shape, generator=gen)).to(dtype).to(DEV).requires_grad_()
+    dy = torch.randn(shape, generator=gen).to(dtype).to(DEV)
+    y = fastattn.scaled_masked_softmax(x, None, scale=0.7, backend="cuda")
+    want = ref.softmax(_np(x), None, 0.7)
+    _close("y", y, want, SM_TOL[dtype])
+    (dx,) = torch.autograd.grad(y, x, dy)
+    _close("dx", dx, ref.softmax_backward(_np(dy), _np(y), 0.7), 4 * SM_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["bool_rows", "float_keys", "f64_col", "half_full"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 17, 33), (1, 2, 5, 2000), (1, 1, 3, 13000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_softmax_masks(shape, kind, causal, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen).to(dtype).to(DEV).requires_grad_()
+    mask = _sm_mask(kind, shape, gen)
+    if mask.is_floating_point():
+        mask.requires_grad_()
+    y = fastattn.scaled_masked_softmax(x, mask, scale=0.5, is_causal=causal, backend="cuda")
+    want = ref.softmax(_np(x), _mask_np(mask), 0.5, causal)
+    _close("y", y, want, SM_TOL[dtype])
+    dy = torch.randn(shape, generator=gen).to(dtype).to(DEV)
+    inputs = (x, mask) if mask.requires_grad else (x,)
+    grads = torch.autograd.grad(y, inputs, dy)
+    _close("dx", grads[0], ref.softmax_backward(_np(dy), _np(y), 0.5), 4 * SM_TOL[dtype])
+    if mask.requires_grad:
+        full = ref.softmax_backward(_np(dy), _np(y), 1.0)
+        _close("dmask", grads[1], _sum_to(full, tuple(mask.shape)), 8 * SM_TOL[dtype])
+    # Fully masked rows: exactly 0, with zero gradient.
+    dead = np.isclose(want.sum(-1), 0.0)
+    if dead.any():
+        assert not _np(y)[dead].any()
+        assert not _np(grads[0])[dead].any()
+
+
+def test_softmax_strided_and_unaligned_inputs():
+    """A transposed (non-contiguous leading dims) x and an odd row length (no vector loads)."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(3, 2, 6, 45, generator=gen).half().to(DEV)
+    x = base.transpose(0, 1)  # (2, 3, 6, 45), leading strides permuted
+    y = fastattn.scaled_masked_softmax(x, None, scale=1.3, is_causal=True, backend="cuda")
+    _close("y", y, ref.softmax(_np(x), None, 1.3, True), SM_TOL[torch.float16])
+    # offset by one element: the row starts are not 16-byte aligned
+    flat = torch.randn(1 + 4 * 64, generator=gen).to(DEV)
+    x2 = flat[1:].view(1, 1, 4, 64)
+    y2 = fastattn.scaled_masked_softmax(x2, None, scale=1.0, backend="cuda")
+    _close("y2", y2, ref.softmax(_np(x2)), SM_TOL[torch.float32])
+
+
+def test_softmax_empty():
+    x = torch.randn(2, 0, 3, 5, device=DEV)
+    assert fastattn.scaled_masked_softmax(x, backend="cuda").shape == x.shape
+    x = torch.randn(2, 1, 3, 0, device=DEV)
+    assert fastattn.scaled_masked_softmax(x, backend="cuda").shape == x.shape
+
+
+# =============================================================================================
+# ffn
+# =============================================================================================
+
+ACTS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
+
+
+def _ffn_inputs(M, D, F, D2, act, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    f1 = 2 * F if act in ("swiglu", "geglu") else F
+
+    def rnd(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=gen)).to(dtype).to(DEV).requires_grad_()
+
+    x = rnd(M, D)
+    w1, w2 = rnd(f1, D, scale=D ** -0.5), rnd(D2, F, scale=F ** -0.5)
+    b1 = rnd(f1, scale=0.5) if bias else None
+    b2 = rnd(D2, scale=0.5) if bias else None
+    return x, w1, b1, w2, b2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize(
+    "M,D,F,D2,bias",
+    [(37, 64, 128, 64, True), (1, 48, 100, 35, False), (300, 33, 71, 17, True), (513, 128, 256, 96, True)],
+)
+def test_ffn(M, D, F, D2, bias, act, dtype):
+    x, w1, b1, w2, b2 = _ffn_inputs(M, D, F, D2, act, dtype, bias)
+    out = fastattn.ffn(x, w1, b1, w2, b2, act, backend="cuda")
+    # PyTorch in the same dtype is the baseline of the tolerance policy (fastattn.testing).
+    base = fastattn.ffn(x, w1, b1, w2, b2, act, backend="naive")
+    args = [_np(t) for t in (x, w1, b1, w2, b2)]
+    assert_close_to_reference(out, ref.ffn(*args, act), base, factor=3.0, name="out")
+    dout = torch.randn_like(out)
+    params = [t for t in (x, w1, b1, w2, b2) if t is not None]
+    got = torch.autograd.grad(out, params, dout)
+    want_all = ref.ffn_backward(_np(dout), *args, act)
+    base_all = torch.autograd.grad(base, params, dout)
+    want = [w for w in want_all if w is not None]
+    names = [n for n, t in zip(("dx", "dw1", "db1", "dw2", "db2"), (x, w1, b1, w2, b2)) if t is not None]
+    for name, g, w, bl in zip(names, got, want, base_all):
+        assert g.dtype == dtype, name
+        assert_close_to_reference(g, w, bl, factor=3.0, name=name)
+
+
+def test_ffn_bias_grad_is_deterministic():
+    x, w1, b1, w2, b2 = _ffn_inputs(4099, 64, 96, 32, "swiglu", torch.float32, True, seed=3)
+    out = fastattn.ffn(x, w1, b1, w2, b2, "swiglu", backend="cuda")
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (b1, b2), dout, retain_graph=True)
+    again = torch.autograd.grad(out, (b1, b2), dout)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_ffn_empty_rows():
+    x, w1, b1, w2, b2 = _ffn_inputs(0, 16, 32, 8, "gelu", torch.float32, True)
+    out = fastattn.ffn(x, w1, b1, w2, b2, "gelu", backend="cuda")
+    assert out.shape == (0, 8)
+    g = torch.autograd.grad(out.sum(), (w1, b1, w2, b2))
+    for t in g:
+        assert not t.any()
+
+
+# =============================================================================================
+# attention
+# =============================================================================================
+
+ATT_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+# id: (B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask kind, dropout_p)
+ATT_CASES = {
+    "plain_d64": (1, 2, 2, 17, 33, 64, 64, False, None, None, 0.0),
+    "single": (1, 1, 1, 1, 1, 32, 32, False, None, None, 0.0),
+    "gqa_d40_causal": (2, 4, 2, 65, 47, 40, 40, True, None, None, 0.0),
+    "d80_dv96_br": (1, 2, 1, 100, 129, 80, 96, "bottom_right", None, None, 0.0),
+    "decode_d128": (2, 4, 1, 1, 300, 128, 128, "bottom_right", None, None, 0.0),
+    "d100_window": (1, 2, 2, 130, 70, 100, 100, False, (9, 4), None, 0.0),
+    "d256": (1, 2, 2, 45, 77, 256, 256, True, None, None, 0.0),
+    "d256_dv200_bias": (1, 2, 1, 40, 37, 256, 200, False, None, "bias", 0.0),
+    "keypad_mqa": (2, 4, 1, 33, 65, 64, 64, False, None, "keypad", 0.0),
+    "full_bool": (2, 2, 1, 70, 70, 96, 96, False, None, "full_bool", 0.0),
+    "bias_causal": (2, 2, 2, 66, 130, 64, 48, True, None, "bias", 0.0),
+    "empty_rows_br": (1, 2, 1, 90, 40, 64, 64, "bottom_right", None, None, 0.0),
+    "window_left_only": (1, 2, 2, 50, 150, 128, 128, "bottom_right", (20, None), None, 0.0),
+    "dropout_gqa": (1, 4, 2, 70, 90, 64, 64, False, None, None, 0.25),
+    "dropout_bias_window": (1, 2, 2, 65, 33, 128, 128, False, (6, 2), "bias", 0.5),
+    "dropout_d256": (1, 2, 1, 33, 40, 256, 256, True, None, None, 0.1),
+}
+
+
+def _att_mask(kind, B, H, Lq, Lk, gen):
+    if kind is None:
+        return None
+    if kind == "keypad":  # (B, 1, 1, Lk): the last keys of the last batch masked
+        m = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+        m[-1, ..., Lk // 2:] = False
+    elif kind == "full_bool":  # (B, H, Lq, Lk) with one fully masked row
+        m = torch.rand(B, H, Lq, Lk, generator=gen) > 0.3
+        m[0, 0, 2] = False
+    elif kind == "bias":  # (1, H, Lq, Lk) float with a -inf row and scattered -inf
+        m = torch.randn(1, H, Lq, Lk, generator=gen)
+        m[0, -1, 1] = float("-inf")
+        m[torch.rand(m.shape, generator=gen) < 0.1] = float("-inf")
+    else:
+        raise ValueError(kind)
+    return m.to(DEV)
+
+
+def _att_run(case, dtype, seed=1234, transposed=False):
+    B, H, Hkv, Lq, Lk, D, Dv, causal, window, kind, p = ATT_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen).to(dtype).to(DEV)
+
+    q = rnd(B, Lq, H, D).transpose(1, 2) if transposed else rnd(B, H, Lq, D)
+    k, v, dout = rnd(B, Hkv, Lk, D), rnd(B, Hkv, Lk, Dv), rnd(B, H, Lq, Dv)
+    mask = _att_mask(kind, B, H, Lq, Lk, gen)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    leaves = [q, k, v]
+    if mask is not None and mask.is_floating_point():
+        mask.requires_grad_()
+        leaves.append(mask)
+    scale = D ** -0.5
+    out, lse = fastattn.attention(q, k, v, mask, causal=causal, window=window, scale=scale,
+                                  dropout_p=p, seed=seed, enable_gqa=True, return_lse=True,
+                                  backend="cuda")
+    grads = torch.autograd.grad(out, leaves, dout)
+    args = (_np(q), _np(k), _np(v), _mask_np(mask), scale, causal, window, p, seed, True)
+    want = ref.attention(*args), ref.attention_backward(_np(dout), *args)
+    return out, lse, grads, want, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(ATT_CASES))
+def test_attention_matches_reference(case, dtype):
+    B, H, Hkv, Lq, Lk, D, Dv, *_ = ATT_CASES[case]
+    out, lse, grads, ((r_out, r_lse), (r_dq, r_dk, r_dv, r_dmask)), mask = _att_run(
+        case, dtype, transposed=case == "plain_d64")
+    tol = ATT_TOL[dtype]
+    assert out.dtype == dtype and out.shape == (B, H, Lq, Dv)
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, Lq)
+    _close("out", out, r_out, tol)
+    lse_np = _np(lse)
+    dead = np.isneginf(r_lse)
+    assert (np.isneginf(lse_np) == dead).all(), "fully masked rows must have lse = -inf"
+    _close("lse", lse[torch.from_numpy(~dead).to(DEV)], r_lse[~dead], max(tol, 1e-5))
+    assert not _np(out)[dead].any(), "fully masked rows must output 0"
+    for name, got, want in zip(("dq", "dk", "dv"), grads[:3], (r_dq, r_dk, r_dv)):
+        assert got.dtype == dtype, name
+        _close(name, got, want, 4 * tol)
+    assert not _np(grads[0])[dead].any(), "fully masked rows must have dq = 0"
+    if r_dmask is not None:
+        _close("dmask", grads[3], r_dmask, 4 * tol)
+    if case == "empty_rows_br":
+        assert dead.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", [5, 3_000_000_000, 2**40 + 17])
+def test_attention_dropout_mask_is_the_shared_rng(seed, dtype):
+    """q = k = 0 gives uniform P = 1 / L; with v = I the output is keep / ((1 - p) L) exactly,
+    so its support is the keep-mask, which must equal the reference's bit for bit."""
+    B, H, L, p = 2, 3, 64, 0.4
+    q = torch.zeros(B, H, L, 32, device=DEV, dtype=dtype)
+    k = torch.zeros(B, 1, L, 32, device=DEV, dtype=dtype)
+    v = torch.eye(L, device=DEV, dtype=dtype).expand(B, 1, L, L)
+    out = fastattn.attention(q, k, v, dropout_p=p, seed=seed, enable_gqa=True, backend="cuda")
+    keep = ref.dropout_keep_mask(seed, B, H, L, L, p)
+    np.testing.assert_array_equal(_np(out) != 0, keep)
+    expect = keep / ((1 - p) * L)
+    np.testing.assert_allclose(_np(out), expect, rtol=ATT_TOL[dtype])
+
+
+def test_attention_backward_is_deterministic_and_replays():
+    def run(seed):
+        out, lse, grads, _, _ = _att_run("dropout_gqa", torch.bfloat16, seed=seed)
+        return (out, lse, *grads)
+
+    first, again, other = run(11), run(11), run(12)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], other[0])
+
+
+def test_attention_float32_is_rejected_with_a_clear_error():
+    q = torch.randn(1, 1, 4, 16, device=DEV)
+    with pytest.raises(RuntimeError, match="float32.*triton"):
+        fastattn.attention(q, q, q, backend="cuda")
+
+
+def test_attention_empty_keys_and_queries():
+    q = torch.randn(1, 2, 5, 64, device=DEV, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(1, 2, 0, 64, device=DEV, dtype=torch.float16, requires_grad=True)
+    out, lse = fastattn.attention(q, k, k, return_lse=True, backend="cuda")
+    assert not out.any() and torch.isneginf(lse).all()
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert not dq.any()
+    q0 = torch.randn(1, 2, 0, 64, device=DEV, dtype=torch.float16)
+    k1 = torch.randn(1, 2, 7, 64, device=DEV, dtype=torch.float16)
+    assert fastattn.attention(q0, k1, k1, backend="cuda").shape == (1, 2, 0, 64)
+
+
+def test_sdpa_dropin_matches_torch():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 77, 64, generator=gen).half().to(DEV) for _ in range(3))
+    got = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, backend="cuda")
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(got.float(), want, atol=5e-3, rtol=5e-3)
+
+
+# =============================================================================================
+# opcheck: schema, fake (meta) implementation and autograd registration of every CUDA op
+# =============================================================================================
+
+_OPCHECK_TESTS = ("test_schema", "test_faketensor", "test_autograd_registration")
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=_OPCHECK_TESTS)
+
+
+def test_opcheck_softmax():
+    x = torch.randn(2, 3, 5, 37, device=DEV, dtype=torch.float16, requires_grad=True)
+    mask = (torch.rand(1, 1, 5, 37, device=DEV) > 0.2).expand(2, 3, 5, 37)
+    _opcheck(torch.ops.fastattn.softmax_fwd.default, (x, mask, 0.5, True))
+    y = torch.ops.fastattn.softmax_fwd(x.detach(), None, 0.5, False)
+    _opcheck(torch.ops.fastattn.softmax_bwd.default, (torch.randn_like(y), y, 0.5))
+
+
+def test_opcheck_ffn():
+    x = torch.randn(9, 16, device=DEV, requires_grad=True)
+    w1 = torch.randn(64, 16, device=DEV, requires_grad=True)
+    b1 = torch.randn(64, device=DEV, requires_grad=True)
+    w2 = torch.randn(8, 32, device=DEV, requires_grad=True)
+    b2 = torch.randn(8, device=DEV, requires_grad=True)
+    _opcheck(torch.ops.fastattn.ffn_fwd.default, (x, w1, b1, w2, b2, "swiglu"))
+    out, pre = torch.ops.fastattn.ffn_fwd(x.detach(), w1.detach(), b1.detach(), w2.detach(), b2.detach(), "swiglu")
+    _opcheck(torch.ops.fastattn.ffn_bwd.default,
+             (torch.randn_like(out), x.detach(), w1.detach(), w2.detach(), pre, "swiglu", [True, True]))
+
+
+def test_opcheck_attention():
+    q = torch.randn(1, 4, 33, 40, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 47, 40, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 2, 47, 24, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.randn(1, 1, 33, 47, device=DEV).expand(1, 4, 33, 47)
+    args = (q, k, v, mask, 0.2, 14, 80, 0, 0.0, 0)
+    _opcheck(torch.ops.fastattn.attention_fwd.default, args)
+    out, lse = torch.ops.fastattn.attention_fwd(q.detach(), k.detach(), v.detach(), *args[3:])
+    _opcheck(torch.ops.fastattn.attention_bwd.default,
+             (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, mask, 0.2, 14,
+              80, 0, 0.1, 7, True))
