@@ -142,6 +142,18 @@ def test_float64_gradcheck(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
+def test_bias_without_weight(backend, device):
+    x, _, b, dy, ns = _inputs((5, 33), 1, torch.float32, device, seed=7)
+    y = fastattn.layer_norm(x, ns, None, b, backend=backend)
+    base = F.layer_norm(x, ns, None, b)
+    assert_close_to_reference(y, base.detach().double(), name="y")
+    db, dx = torch.autograd.grad(y, (b, x), dy)
+    bdb, bdx = torch.autograd.grad(base, (b, x), dy)
+    assert_close_to_reference(db, bdb.double(), name="dbias")
+    assert_close_to_reference(dx, bdx.double(), name="dx")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
 def test_empty_batch(backend, device):
     x = torch.randn(0, 16, device=device, requires_grad=True)
     y = fastattn.layer_norm(x, (16,), backend=backend)

@@ -49,6 +49,7 @@ def _setup_context(ctx, inputs, output):
     ctx.rms = rms
     ctx.has_residual = residual is not None
     ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _autograd(fwd, bwd) -> None:
@@ -58,9 +59,13 @@ def _autograd(fwd, bwd) -> None:
     def backward(ctx, dy, dh, _dmean, _drstd):
         h, weight, mean, rstd = ctx.saved_tensors
         want = [weight is not None and ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3]]
+        dy = last_dim_contiguous(dy)
         dh = last_dim_contiguous(dh) if ctx.has_residual else None
-        dx, dw, db = bwd(last_dim_contiguous(dy), dh, h, weight, mean, rstd, ctx.rms, want)
-        return dx, dx if ctx.has_residual else None, empty_or_none(dw), empty_or_none(db), None, None
+        dx, dw, db = bwd(dy, dh, h, weight, mean, rstd, ctx.rms, want)
+        db = empty_or_none(db)
+        if db is None and ctx.has_bias and weight is None and ctx.needs_input_grad[3]:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # a bias without a weight
+        return dx, dx if ctx.has_residual else None, empty_or_none(dw), db, None, None
 
     torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
 

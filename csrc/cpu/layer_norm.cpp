@@ -1,0 +1,435 @@
+// LayerNorm / RMSNorm forward and backward on CPU (fastattn::layer_norm_fwd / layer_norm_bwd).
+//
+// Forward, per row of h (h = x, or h = x + residual rounded to x's dtype and returned):
+//   LayerNorm: mean = E[h], rstd = 1 / sqrt(E[(h - mean)^2] + eps), y = (h - mean) * rstd * w + b
+//   RMSNorm:   rstd = 1 / sqrt(E[h^2] + eps),                      y = h * rstd * w
+// Backward, with xhat = (h - mean) * rstd (RMSNorm: h * rstd) and g = dy * w:
+//   LayerNorm: dx = rstd * (g - E[g] - xhat * E[g * xhat])   (+ dh, the gradient of the returned h)
+//   RMSNorm:   dx = rstd * (g - xhat * E[g * xhat])           (+ dh)
+//   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy
+//
+// Work split: at::parallel_for over rows. A row is read in the accumulation type (float16 /
+// bfloat16 rows are converted into a per-task buffer; float32 / float64 rows are used in place)
+// and processed with plain `#pragma omp simd` loops (several independent partial sums per
+// reduction). The per-task row loops are compiled three times, for AVX-512, AVX2 and baseline
+// x86-64, and picked at run time (fastattn/cpu_simd.h: FASTATTN_TARGET_*, cpu_isa(); it also says
+// why not at::vec::Vectorized). The statistics take two passes over the row (the mean, then the
+// squared deviations from it), both relative to the row's first value, so rows with a large
+// offset (1e4 + noise) keep their precision.
+// dweight / dbias: the rows are cut into at most kMaxBlocks fixed blocks, each block sums its rows
+// into its own partial row (in the accumulation type), and the partial rows are added in block
+// order: deterministic, no atomics, and independent of the number of threads.
+//
+// Precision: float32 / float16 / bfloat16 compute in float32, float64 in float64 (so gradcheck
+// runs); mean and rstd are returned as float32 whatever the dtype (docs/numerics.md). An empty row
+// (N = 0) has mean 0 and rstd 1 / sqrt(eps). Accepted dtypes: see fastattn/layer_norm.h.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "fastattn/cpu_simd.h"
+#include "fastattn/layer_norm.h"
+
+namespace fastattn {
+namespace {
+
+using cpu::acc_t;
+
+constexpr int64_t kMaxBlocks = 64;  // dweight / dbias: fixed row blocks, one partial row each
+constexpr int64_t kLanes = 16;      // independent partial sums per row reduction
+
+// ---------------------------------------------------------------------------------------------
+// Row helpers, always inlined into the per-ISA row loops below.
+
+// sum over i < n of v or v^2 (kSquares), v = (h[i] - c) - d.
+template <bool kSquares, typename A>
+FASTATTN_INLINE A row_moment(const A* __restrict h, int64_t n, A c, A d) {
+  A acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) {
+      const A v = (h[i + k] - c) - d;
+      acc[k] += kSquares ? v * v : v;
+    }
+  }
+  for (int64_t k = 0; i + k < n; ++k) {
+    const A v = (h[i + k] - c) - d;
+    acc[k] += kSquares ? v * v : v;
+  }
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t k = 0; k < width; ++k) acc[k] += acc[k + width];
+  }
+  return acc[0];
+}
+
+// Row `row` of type T as n values of A: the row itself when T is A, else converted into buf.
+template <typename T, typename A>
+FASTATTN_INLINE const A* read_row(const T* row, A* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    return row;
+  } else {
+    cpu::convert_to_acc(row, buf, n);
+    return buf;
+  }
+}
+
+// Where a row of type T is computed in A: the row itself when T is A, else buf (then written
+// with write_row).
+template <typename T, typename A>
+FASTATTN_INLINE A* out_row(T* row, A* buf) {
+  if constexpr (std::is_same_v<T, A>) {
+    return row;
+  } else {
+    return buf;
+  }
+}
+
+template <typename T, typename A>
+FASTATTN_INLINE void write_row(const A* buf, T* row, int64_t n) {
+  if constexpr (!std::is_same_v<T, A>) cpu::convert_from_acc(buf, row, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward rows.
+
+template <typename T>
+struct FwdArgs {
+  using A = acc_t<T>;
+  const T* x;
+  const T* residual;  // or nullptr
+  int64_t x_stride, r_stride;
+  const A* w;  // n values (ones when there is no weight)
+  const A* b;  // n values (zeros when there is no bias)
+  T* y;
+  T* h;         // when residual
+  float* mean;  // nullptr for RMSNorm
+  float* rstd;
+  int64_t n;
+  A eps;
+  bool rms;
+};
+
+template <typename T>
+FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
+  using A = acc_t<T>;
+  const int64_t n = a.n;
+  const A inv_n = A(1) / A(n);
+  std::vector<A> buf0(n), buf1(n);
+  for (int64_t r = r0; r < r1; ++r) {
+    const A* h;
+    if (a.residual != nullptr) {
+      // h = x + residual in A, rounded to T and returned; the statistics use the rounded h.
+      const A* xa = read_row(a.x + r * a.x_stride, buf0.data(), n);
+      const A* ra = read_row(a.residual + r * a.r_stride, buf1.data(), n);
+      T* hr = a.h + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) hr[i] = cpu::from_acc<T>(xa[i] + ra[i]);
+      h = read_row(static_cast<const T*>(hr), buf0.data(), n);
+    } else {
+      h = read_row(a.x + r * a.x_stride, buf0.data(), n);
+    }
+    // LayerNorm statistics relative to c = h[0] (exact differences for nearby values):
+    // delta = E[h - c], var = E[((h - c) - delta)^2], mean = c + delta.
+    const A c = a.rms ? A(0) : h[0];
+    const A delta = a.rms ? A(0) : row_moment<false>(h, n, c, A(0)) * inv_n;
+    const A var = row_moment<true>(h, n, c, delta) * inv_n;
+    const A rs = A(1) / std::sqrt(var + a.eps);
+    if (!a.rms) a.mean[r] = static_cast<float>(c + delta);
+    a.rstd[r] = static_cast<float>(rs);
+    T* yr = a.y + r * n;
+    A* out = out_row(yr, buf1.data());
+    const A* __restrict w = a.w;
+    const A* __restrict b = a.b;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = ((h[i] - c) - delta) * rs * w[i] + b[i];
+    write_row(out, yr, n);
+  }
+}
+
+template <typename T>
+FASTATTN_TARGET_AVX512 void fwd_rows_avx512(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
+  fwd_rows_impl(a, r0, r1);
+}
+
+template <typename T>
+FASTATTN_TARGET_AVX2 void fwd_rows_avx2(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
+  fwd_rows_impl(a, r0, r1);
+}
+
+template <typename T>
+void fwd_rows_default(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
+  fwd_rows_impl(a, r0, r1);
+}
+
+template <typename T>
+void fwd_rows(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
+  switch (cpu::cpu_isa()) {
+    case cpu::Isa::kAvx512: return fwd_rows_avx512(a, r0, r1);
+    case cpu::Isa::kAvx2: return fwd_rows_avx2(a, r0, r1);
+    default: return fwd_rows_default(a, r0, r1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward rows.
+
+template <typename T>
+struct BwdArgs {
+  using A = acc_t<T>;
+  const T* dy;
+  const T* dh;  // or nullptr
+  const T* h;
+  int64_t dy_stride, dh_stride, h_stride;
+  const A* w;          // n values (ones when there is no weight)
+  const float* mean;   // nullptr for RMSNorm
+  const float* rstd;
+  T* dx;
+  int64_t n;
+  bool rms;
+};
+
+// Rows [r0, r1); pw / pb: the partial dweight / dbias row these rows add to, or null.
+template <typename T>
+FASTATTN_INLINE void bwd_rows_impl(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw,
+                                   acc_t<T>* pb) {
+  using A = acc_t<T>;
+  const int64_t n = a.n;
+  const A inv_n = A(1) / A(n);
+  const A* __restrict w = a.w;
+  std::vector<A> hbuf(n), dybuf(n), dhbuf(a.dh != nullptr ? n : 0), obuf(n);
+  for (int64_t r = r0; r < r1; ++r) {
+    const A* __restrict h = read_row(a.h + r * a.h_stride, hbuf.data(), n);
+    const A* __restrict dy = read_row(a.dy + r * a.dy_stride, dybuf.data(), n);
+    const A mu = a.rms ? A(0) : A(a.mean[r]);
+    const A rs = A(a.rstd[r]);
+    // Pass 1: E[g] and E[g * xhat], g = dy * w, xhat = (h - mu) * rs.
+    A acc_g[kLanes] = {}, acc_gx[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+      for (int64_t k = 0; k < kLanes; ++k) {
+        const A g = dy[i + k] * w[i + k];
+        acc_g[k] += g;
+        acc_gx[k] += g * ((h[i + k] - mu) * rs);
+      }
+    }
+    for (int64_t k = 0; i + k < n; ++k) {
+      const A g = dy[i + k] * w[i + k];
+      acc_g[k] += g;
+      acc_gx[k] += g * ((h[i + k] - mu) * rs);
+    }
+    for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+      for (int64_t k = 0; k < width; ++k) {
+        acc_g[k] += acc_g[k + width];
+        acc_gx[k] += acc_gx[k + width];
+      }
+    }
+    const A cg = a.rms ? A(0) : acc_g[0] * inv_n;
+    const A cx = acc_gx[0] * inv_n;
+    // Pass 2: dx = rstd * (g - E[g] - xhat * E[g * xhat]) + dh.
+    T* dxr = a.dx + r * n;
+    A* __restrict o = out_row(dxr, obuf.data());
+    if (a.dh != nullptr) {
+      const A* __restrict dh = read_row(a.dh + r * a.dh_stride, dhbuf.data(), n);
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        o[j] = (dy[j] * w[j] - cg - (h[j] - mu) * rs * cx) * rs + dh[j];
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) o[j] = (dy[j] * w[j] - cg - (h[j] - mu) * rs * cx) * rs;
+    }
+    write_row(o, dxr, n);
+    if (pw != nullptr) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        pw[j] += dy[j] * ((h[j] - mu) * rs);
+        pb[j] += dy[j];
+      }
+    }
+  }
+}
+
+template <typename T>
+FASTATTN_TARGET_AVX512 void bwd_rows_avx512(const BwdArgs<T>& a, int64_t r0, int64_t r1,
+                                            acc_t<T>* pw, acc_t<T>* pb) {
+  bwd_rows_impl(a, r0, r1, pw, pb);
+}
+
+template <typename T>
+FASTATTN_TARGET_AVX2 void bwd_rows_avx2(const BwdArgs<T>& a, int64_t r0, int64_t r1,
+                                        acc_t<T>* pw, acc_t<T>* pb) {
+  bwd_rows_impl(a, r0, r1, pw, pb);
+}
+
+template <typename T>
+void bwd_rows_default(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw, acc_t<T>* pb) {
+  bwd_rows_impl(a, r0, r1, pw, pb);
+}
+
+template <typename T>
+void bwd_rows(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw, acc_t<T>* pb) {
+  switch (cpu::cpu_isa()) {
+    case cpu::Isa::kAvx512: return bwd_rows_avx512(a, r0, r1, pw, pb);
+    case cpu::Isa::kAvx2: return bwd_rows_avx2(a, r0, r1, pw, pb);
+    default: return bwd_rows_default(a, r0, r1, pw, pb);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drivers.
+
+template <typename T>
+void layer_norm_fwd_impl(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                         const at::Tensor& w_acc, const at::Tensor& b_acc, double eps, bool rms,
+                         at::Tensor& y, at::Tensor& h, at::Tensor& mean, at::Tensor& rstd) {
+  using A = acc_t<T>;
+  FwdArgs<T> a{};
+  a.x = x.const_data_ptr<T>();
+  a.residual = residual ? residual->const_data_ptr<T>() : nullptr;
+  a.x_stride = x.stride(0);
+  a.r_stride = residual ? residual->stride(0) : 0;
+  a.w = w_acc.const_data_ptr<A>();
+  a.b = b_acc.const_data_ptr<A>();
+  a.y = y.data_ptr<T>();
+  a.h = residual ? h.data_ptr<T>() : nullptr;
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.n = x.size(1);
+  a.eps = static_cast<A>(eps);
+  a.rms = rms;
+  at::parallel_for(0, x.size(0), std::max<int64_t>(1, at::internal::GRAIN_SIZE / a.n),
+                   [&](int64_t r0, int64_t r1) { fwd_rows(a, r0, r1); });
+}
+
+template <typename T>
+void layer_norm_bwd_impl(const at::Tensor& dy, const std::optional<at::Tensor>& dh,
+                         const at::Tensor& h, const at::Tensor& w_acc, const at::Tensor& mean,
+                         const at::Tensor& rstd, bool rms, at::Tensor& dx, at::Tensor& part_w,
+                         at::Tensor& part_b) {
+  using A = acc_t<T>;
+  BwdArgs<T> a{};
+  a.dy = dy.const_data_ptr<T>();
+  a.dh = dh ? dh->const_data_ptr<T>() : nullptr;
+  a.h = h.const_data_ptr<T>();
+  a.dy_stride = dy.stride(0);
+  a.dh_stride = dh ? dh->stride(0) : 0;
+  a.h_stride = h.stride(0);
+  a.w = w_acc.const_data_ptr<A>();
+  a.mean = rms ? nullptr : mean.const_data_ptr<float>();
+  a.rstd = rstd.const_data_ptr<float>();
+  a.dx = dx.data_ptr<T>();
+  a.n = h.size(1);
+  a.rms = rms;
+  const int64_t m = h.size(0), n = a.n;
+  if (!part_w.defined()) {
+    at::parallel_for(0, m, std::max<int64_t>(1, at::internal::GRAIN_SIZE / n),
+                     [&](int64_t r0, int64_t r1) { bwd_rows(a, r0, r1, nullptr, nullptr); });
+    return;
+  }
+  // Block k owns rows [k * m / blocks, (k + 1) * m / blocks) and partial row k.
+  const int64_t blocks = part_w.size(0);
+  A* pw = part_w.data_ptr<A>();
+  A* pb = part_b.data_ptr<A>();
+  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      std::fill(pw + k * n, pw + (k + 1) * n, A(0));
+      std::fill(pb + k * n, pb + (k + 1) * n, A(0));
+      bwd_rows(a, k * m / blocks, (k + 1) * m / blocks, pw + k * n, pb + k * n);
+    }
+  });
+}
+
+// The second, deterministic reduction: column j adds partial rows 0, 1, ..., blocks - 1 in order.
+template <typename A>
+at::Tensor sum_partials(const at::Tensor& part) {
+  const int64_t blocks = part.size(0), n = part.size(1);
+  at::Tensor out = at::empty({n}, part.options());
+  const A* p = part.const_data_ptr<A>();
+  A* o = out.data_ptr<A>();
+  at::parallel_for(0, n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / blocks),
+                   [&](int64_t c0, int64_t c1) {
+                     std::copy(p + c0, p + c1, o + c0);
+                     for (int64_t k = 1; k < blocks; ++k) {
+                       const A* pk = p + k * n;
+                       for (int64_t j = c0; j < c1; ++j) o[j] += pk[j];
+                     }
+                   });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    bool rms) {
+  check_layer_norm_fwd(x, residual, weight, bias, /*allow_double=*/true);
+  const int64_t m = x.size(0), n = x.size(1);
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor h = residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
+  at::Tensor mean = rms ? at::empty({0}, f32) : at::empty({m}, f32);
+  at::Tensor rstd = at::empty({m}, f32);
+  if (m == 0) return {y, h, mean, rstd};
+  if (n == 0) {
+    mean.zero_();
+    rstd.fill_(1.0 / std::sqrt(eps));
+    return {y, h, mean, rstd};
+  }
+  // weight / bias as the accumulation dtype (ones / zeros when absent): N values, read by all rows.
+  const auto acc_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc_opts = x.options().dtype(acc_dtype);
+  const at::Tensor w_acc = weight ? weight->to(acc_dtype) : at::ones({n}, acc_opts);
+  const at::Tensor b_acc = bias ? bias->to(acc_dtype) : at::zeros({n}, acc_opts);
+  FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "layer_norm_fwd_cpu", [&] {
+    layer_norm_fwd_impl<scalar_t>(x, residual, w_acc, b_acc, eps, rms, y, h, mean, rstd);
+  });
+  return {y, h, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
+    const at::Tensor& dy, const std::optional<at::Tensor>& dh, const at::Tensor& h,
+    const std::optional<at::Tensor>& weight, const at::Tensor& mean, const at::Tensor& rstd,
+    bool rms, std::array<bool, 2> output_mask) {
+  check_layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, /*allow_double=*/true);
+  const int64_t m = h.size(0), n = h.size(1);
+  const bool want_dw = weight.has_value() && output_mask[0];
+  const bool want_db = weight.has_value() && output_mask[1];
+  const auto acc_dtype = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc_opts = h.options().dtype(acc_dtype);
+  at::Tensor dx = at::empty({m, n}, h.options());
+  at::Tensor part_w, part_b;
+  const int64_t blocks = std::min(m, kMaxBlocks);
+  if ((want_dw || want_db) && m > 0 && n > 0) {
+    part_w = at::empty({blocks, n}, acc_opts);
+    part_b = at::empty({blocks, n}, acc_opts);
+  }
+  if (m > 0 && n > 0) {
+    const at::Tensor w_acc = weight ? weight->to(acc_dtype) : at::ones({n}, acc_opts);
+    FASTATTN_DISPATCH_FLOATING_HALF_BF16(h.scalar_type(), "layer_norm_bwd_cpu", [&] {
+      layer_norm_bwd_impl<scalar_t>(dy, dh, h, w_acc, mean, rstd, rms, dx, part_w, part_b);
+    });
+  }
+  auto finish = [&](bool want, const at::Tensor& part) {
+    if (!want) return at::empty({0}, h.options());
+    if (!part.defined()) return at::zeros({n}, weight->options());
+    const at::Tensor sum =
+        acc_dtype == at::kDouble ? sum_partials<double>(part) : sum_partials<float>(part);
+    return sum.to(weight->scalar_type());
+  };
+  return {dx, finish(want_dw, part_w), finish(want_db, part_b)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_cpu);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cpu);
+}
+
+}  // namespace fastattn

@@ -1,0 +1,73 @@
+// Argument checks and dtype dispatch shared by the CPU (.cpp) and CUDA (.cu) ops. Host code only.
+// Every check names the argument and shows what it got, so a failing call says what to fix.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+namespace fastattn {
+
+// A matrix of rows: 2-D with a contiguous last dimension and any row stride.
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D (rows, N), got shape ", t.sizes());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, name,
+              " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
+              t.strides());
+}
+
+inline void check_shape(const at::Tensor& t, at::IntArrayRef shape, const char* name) {
+  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got shape ", t.sizes(),
+              " and strides ", t.strides());
+}
+
+inline void check_device(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                         const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on the device of ", ref_name, " (",
+              ref.device(), "), got ", t.device());
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
+              t.scalar_type(), " (shape ", t.sizes(), ")");
+}
+
+// float32, float16 or bfloat16; float64 too when allow_double (the CPU backend, for gradcheck).
+inline void check_float_dtype(const at::Tensor& t, const char* name, bool allow_double) {
+  const auto dt = t.scalar_type();
+  const bool ok = dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 ||
+                  (allow_double && dt == at::kDouble);
+  TORCH_CHECK(ok, name,
+              allow_double ? " must be float32, float16, bfloat16 or float64"
+                           : " must be float32, float16 or bfloat16",
+              ", got ", dt, " (shape ", t.sizes(), ")");
+}
+
+// A parameter that follows an input: the input's dtype, or float32 (fp32 master parameters).
+inline void check_param_dtype(const at::Tensor& t, at::ScalarType input_dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == input_dtype || t.scalar_type() == at::kFloat, name,
+              " must have the input's dtype (", input_dtype, ") or float32, got ", t.scalar_type());
+}
+
+}  // namespace fastattn
+
+// scalar_t = float, c10::Half or c10::BFloat16 (the CUDA kernels' dtypes).
+#define FASTATTN_DISPATCH_FLOAT_HALF_BF16(TYPE, NAME, ...)      \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// The same plus double (the CPU kernels' dtypes).
+#define FASTATTN_DISPATCH_FLOATING_HALF_BF16(TYPE, NAME, ...)   \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                \
+                     AT_DISPATCH_CASE(at::kDouble, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))

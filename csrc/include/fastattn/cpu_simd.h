@@ -1,0 +1,282 @@
+// SIMD building blocks of the CPU kernels (attention, softmax, ffn), with runtime ISA dispatch.
+//
+// Why not at::vec: the extension is compiled once with the compiler's baseline flags (no -mavx2),
+// and at::vec picks its implementation at compile time (CPU_CAPABILITY macros), so in this
+// extension at::vec::Vectorized is the scalar DEFAULT fallback: no AVX2 / AVX-512 instructions and
+// a per-lane std::exp. Instead the hot loops here are written once, as templates over a small
+// vector type `Vec<A, W>` built on the GCC / Clang vector extension, and instantiated three times:
+// for AVX-512 (W = 16 floats), AVX2 + FMA (W = 8) and the baseline ISA (W = 4, SSE2 / NEON). The
+// AVX-512 and AVX2 instantiations live in functions marked FASTATTN_TARGET_AVX512 / _AVX2 (GCC's
+// target attribute); everything they call is FASTATTN_INLINE (always_inline), so it is compiled
+// for that target inside them. cpu_isa() picks the best one the machine supports once per process
+// (override: FASTATTN_CPU_ISA=default|avx2|avx512, never above what the CPU has). No translation
+// unit is compiled with -mavx*, so the ATen / c10 inline functions emitted by our objects stay
+// baseline code and the library loads and runs on any x86-64 machine.
+//
+// Host code only (C++17, GCC >= 9 or Clang >= 10 on x86-64 for the ISA-specific paths; other
+// compilers and architectures get the baseline path).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define FASTATTN_INLINE inline __attribute__((always_inline))
+#define FASTATTN_VECTOR_EXTENSIONS 1
+#else
+#define FASTATTN_INLINE inline
+#define FASTATTN_VECTOR_EXTENSIONS 0
+#endif
+
+#if FASTATTN_VECTOR_EXTENSIONS && (defined(__x86_64__) || defined(__i386__))
+#define FASTATTN_X86_DISPATCH 1
+#define FASTATTN_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,popcnt")))
+#define FASTATTN_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,popcnt")))
+#else
+#define FASTATTN_X86_DISPATCH 0
+#define FASTATTN_TARGET_AVX2
+#define FASTATTN_TARGET_AVX512
+#endif
+
+namespace fastattn {
+namespace cpu {
+
+enum class Isa { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline Isa detect_isa() {
+  Isa best = Isa::kDefault;
+#if FASTATTN_X86_DISPATCH
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
+  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq")) {
+    best = Isa::kAvx512;
+  }
+#endif
+  if (const char* env = std::getenv("FASTATTN_CPU_ISA")) {
+    std::string s(env);
+    for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    Isa want = best;
+    if (s == "default" || s == "scalar" || s == "baseline") want = Isa::kDefault;
+    if (s == "avx2") want = Isa::kAvx2;
+    if (s == "avx512") want = Isa::kAvx512;
+    best = std::min(best, want);
+  }
+  return best;
+}
+
+// The ISA the kernels use in this process (detected once).
+inline Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+inline const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "default";
+}
+
+// Vector widths (in floats) of the three instantiations.
+constexpr int kWidthAvx512 = 16;
+constexpr int kWidthAvx2 = 8;
+constexpr int kWidthDefault = 4;
+
+// ---------------------------------------------------------------------------------------------
+// Vec<A, W>: W lanes of A (float or double).
+
+#if FASTATTN_VECTOR_EXTENSIONS
+template <class A, int W>
+struct RawVec;
+#define FASTATTN_RAW_VEC(A, W) \
+  template <>                  \
+  struct RawVec<A, W> {        \
+    typedef A type __attribute__((vector_size(sizeof(A) * W))); \
+  };
+FASTATTN_RAW_VEC(float, 16)
+FASTATTN_RAW_VEC(float, 8)
+FASTATTN_RAW_VEC(float, 4)
+FASTATTN_RAW_VEC(double, 8)
+FASTATTN_RAW_VEC(double, 4)
+FASTATTN_RAW_VEC(double, 2)
+#undef FASTATTN_RAW_VEC
+
+template <class A, int W>
+struct Vec {
+  static_assert(std::is_same_v<A, float> || std::is_same_v<A, double>);
+  using Raw = typename RawVec<A, W>::type;
+  using value_type = A;
+  static constexpr int size = W;
+  Raw v;
+
+  Vec() = default;
+  FASTATTN_INLINE Vec(Raw r) : v(r) {}
+  FASTATTN_INLINE explicit Vec(A x) : v(Raw{} + x) {}
+  FASTATTN_INLINE static Vec load(const A* p) {
+    Vec r;
+    std::memcpy(&r.v, p, sizeof(Raw));
+    return r;
+  }
+  FASTATTN_INLINE void store(A* p) const { std::memcpy(p, &v, sizeof(Raw)); }
+  FASTATTN_INLINE A operator[](int i) const { return v[i]; }
+  FASTATTN_INLINE friend Vec operator+(Vec a, Vec b) { return a.v + b.v; }
+  FASTATTN_INLINE friend Vec operator-(Vec a, Vec b) { return a.v - b.v; }
+  FASTATTN_INLINE friend Vec operator*(Vec a, Vec b) { return a.v * b.v; }
+  FASTATTN_INLINE friend Vec operator/(Vec a, Vec b) { return a.v / b.v; }
+  // a * b + c, contracted into one FMA where the target has it.
+  FASTATTN_INLINE friend Vec fma(Vec a, Vec b, Vec c) { return a.v * b.v + c.v; }
+  FASTATTN_INLINE friend Vec max(Vec a, Vec b) { return a.v > b.v ? a.v : b.v; }
+  FASTATTN_INLINE friend Vec min(Vec a, Vec b) { return a.v < b.v ? a.v : b.v; }
+  // Lane-wise "c ? a : b" where c is the comparison "x < y" (etc.) of two Vecs.
+  FASTATTN_INLINE static Vec select_lt(Vec x, Vec y, Vec a, Vec b) { return x.v < y.v ? a.v : b.v; }
+  FASTATTN_INLINE static Vec select_gt(Vec x, Vec y, Vec a, Vec b) { return x.v > y.v ? a.v : b.v; }
+  FASTATTN_INLINE static Vec select_nan(Vec x, Vec a, Vec b) { return x.v != x.v ? a.v : b.v; }
+  FASTATTN_INLINE A sum() const {
+    A s = v[0];
+    for (int i = 1; i < W; ++i) s += v[i];
+    return s;
+  }
+  FASTATTN_INLINE A max_lane() const {
+    A s = v[0];
+    for (int i = 1; i < W; ++i) s = v[i] > s ? v[i] : s;
+    return s;
+  }
+};
+#else
+template <class A, int W>
+struct Vec {
+  using value_type = A;
+  static constexpr int size = W;
+  A v[W];
+  Vec() = default;
+  explicit Vec(A x) { for (int i = 0; i < W; ++i) v[i] = x; }
+  static Vec load(const A* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+  void store(A* p) const { std::memcpy(p, v, sizeof(v)); }
+  A operator[](int i) const { return v[i]; }
+#define FASTATTN_LANEWISE(expr) Vec r; for (int i = 0; i < W; ++i) r.v[i] = (expr); return r;
+  friend Vec operator+(Vec a, Vec b) { FASTATTN_LANEWISE(a.v[i] + b.v[i]) }
+  friend Vec operator-(Vec a, Vec b) { FASTATTN_LANEWISE(a.v[i] - b.v[i]) }
+  friend Vec operator*(Vec a, Vec b) { FASTATTN_LANEWISE(a.v[i] * b.v[i]) }
+  friend Vec operator/(Vec a, Vec b) { FASTATTN_LANEWISE(a.v[i] / b.v[i]) }
+  friend Vec fma(Vec a, Vec b, Vec c) { FASTATTN_LANEWISE(a.v[i] * b.v[i] + c.v[i]) }
+  friend Vec max(Vec a, Vec b) { FASTATTN_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]) }
+  friend Vec min(Vec a, Vec b) { FASTATTN_LANEWISE(a.v[i] < b.v[i] ? a.v[i] : b.v[i]) }
+  static Vec select_lt(Vec x, Vec y, Vec a, Vec b) { FASTATTN_LANEWISE(x.v[i] < y.v[i] ? a.v[i] : b.v[i]) }
+  static Vec select_gt(Vec x, Vec y, Vec a, Vec b) { FASTATTN_LANEWISE(x.v[i] > y.v[i] ? a.v[i] : b.v[i]) }
+  static Vec select_nan(Vec x, Vec a, Vec b) { FASTATTN_LANEWISE(x.v[i] != x.v[i] ? a.v[i] : b.v[i]) }
+#undef FASTATTN_LANEWISE
+  A sum() const { A s = v[0]; for (int i = 1; i < W; ++i) s += v[i]; return s; }
+  A max_lane() const { A s = v[0]; for (int i = 1; i < W; ++i) s = v[i] > s ? v[i] : s; return s; }
+};
+#endif
+
+// exp, lane-wise. float: Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp
+// on the normal range); exp(x) = 0 exactly for x < ln(FLT_MIN) (so -inf gives 0), +inf above
+// ln(FLT_MAX), NaN stays NaN. double: std::exp per lane (the float64 path is for gradcheck).
+template <int W>
+FASTATTN_INLINE Vec<float, W> vexp(Vec<float, W> x) {
+  using V = Vec<float, W>;
+  const V lo(-87.33654475f), hi(88.37626266f);
+  const V xc = min(max(x, lo), hi);
+  const V magic(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const V t = fma(xc, V(1.44269504088896341f), magic);
+  const V n = t - magic;
+  V r = fma(n, V(-0.693359375f), xc);
+  r = fma(n, V(2.12194440e-4f), r);
+  V p(1.9875691500e-4f);
+  p = fma(p, r, V(1.3981999507e-3f));
+  p = fma(p, r, V(8.3334519073e-3f));
+  p = fma(p, r, V(4.1665795894e-2f));
+  p = fma(p, r, V(1.6666665459e-1f));
+  p = fma(p, r, V(5.0000001201e-1f));
+  p = fma(p * r, r, r + V(1.0f));
+  V res;
+#if FASTATTN_VECTOR_EXTENSIONS
+  typedef int32_t RawI __attribute__((vector_size(sizeof(float) * W)));
+  RawI bits;
+  std::memcpy(&bits, &t.v, sizeof(bits));
+  bits = (bits - 0x4B400000 + 127) << 23;
+  V scale;
+  std::memcpy(&scale.v, &bits, sizeof(bits));
+  res = p * scale;
+#else
+  for (int i = 0; i < W; ++i) res.v[i] = std::ldexp(p.v[i], static_cast<int>(n.v[i]));
+#endif
+  res = V::select_lt(x, lo, V(0.0f), res);
+  res = V::select_gt(x, hi, V(std::numeric_limits<float>::infinity()), res);
+  return V::select_nan(x, x, res);
+}
+
+template <int W>
+FASTATTN_INLINE Vec<double, W> vexp(Vec<double, W> x) {
+  Vec<double, W> r;
+  for (int i = 0; i < W; ++i) r.v[i] = std::exp(x.v[i]);
+  return r;
+}
+
+// Scalar exp matching vexp's float results (used for row tails and scalars).
+FASTATTN_INLINE float sexp(float x) {
+  Vec<float, 4> v(x);
+  return vexp(v)[0];
+}
+FASTATTN_INLINE double sexp(double x) { return std::exp(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Element conversions between storage types and the accumulation type.
+
+template <class A, class T>
+FASTATTN_INLINE A to_acc(T x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint32_t u = static_cast<uint32_t>(x.x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return static_cast<A>(f);
+  } else {
+    return static_cast<A>(x);
+  }
+}
+
+template <class T, class A>
+FASTATTN_INLINE T from_acc(A x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const float f = static_cast<float>(x);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    c10::BFloat16 r;
+    // round to nearest even; NaN stays a (quiet) NaN
+    r.x = (f != f) ? uint16_t(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return r;
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+// dst[0, n) = src[0, n) converted to A.
+template <class A, class T>
+FASTATTN_INLINE void convert_to_acc(const T* src, A* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_acc<A>(src[i]);
+}
+
+template <class T, class A>
+FASTATTN_INLINE void convert_from_acc(const A* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_acc<T>(src[i]);
+}
+
+// The accumulation type: double for double, float otherwise.
+template <class T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+}  // namespace cpu
+}  // namespace fastattn
