@@ -19,11 +19,10 @@ import os
 import sys
 from collections import defaultdict
 
+from fastattn.bench import NAIVE, TORCH_PREFIX, Result, load_json
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-sys.path.insert(0, os.path.dirname(HERE))
-
-from fastattn.bench import NAIVE, TORCH_PREFIX, Result, load_json  # noqa: E402
 
 
 def _geomean(values):

@@ -2,7 +2,7 @@
 
 fastattn's C++ headers (``csrc/include/fastattn/*.h``, ``*.cuh``) hold the argument checks,
 dtype dispatch macros and CUDA helpers its own kernels use (``common.h``: ``check_rows``,
-``check_float_dtype``, ``FASTATTN_DISPATCH_FLOATING_HALF_BF16`` ...; ``cuda_utils.cuh``: vector
+``check_float_dtype``, ``FASTATTN_DISPATCH_FLOATING_HALF_BF16`` ...; ``cuda_helpers.cuh``: vector
 loads, warp and block reductions, mask reading; ``rng.h``: the dropout RNG). An extension of
 your own can include them::
 

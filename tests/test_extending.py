@@ -46,7 +46,7 @@ def test_include_paths_find_the_headers():
     paths = extending.include_paths()
     assert paths == [extending.extension_include_dir()]
     assert os.path.isfile(os.path.join(paths[0], "fastattn", "common.h"))
-    assert os.path.isfile(os.path.join(paths[0], "fastattn", "cuda_utils.cuh"))
+    assert os.path.isfile(os.path.join(paths[0], "fastattn", "cuda_helpers.cuh"))
 
 
 def test_include_dir_in_an_installed_layout(tmp_path):
