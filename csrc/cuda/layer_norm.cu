@@ -29,7 +29,7 @@
 // Precision: float32 math for float32 / float16 / bfloat16; mean and rstd are float32. Row
 // offsets are int64; N must be below 2^31. An empty row (N = 0) has mean 0, rstd 1 / sqrt(eps).
 // Accepted dtypes and shapes: fastattn/layer_norm.h.
-#include "fastattn/cuda_utils.cuh"  // first: it prepares the c10/cuda includes
+#include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -50,6 +50,8 @@
 namespace fastattn {
 namespace cuda {
 namespace {
+
+using namespace ::fastattn::cuda_helpers;
 
 constexpr int kWarpRowBytes = 2048;  // rows up to this size: one warp per row
 constexpr int kWarpsPerBlock = 4;    // warp per row: rows per block

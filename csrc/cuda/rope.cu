@@ -17,7 +17,7 @@
 // pairs for interleaved) when half is a multiple of the chunk and x, y and the strides are
 // 16-byte aligned; otherwise one pair per thread with scalar loads. The table (float32, small) is
 // read through the read-only cache. Memory bound: one read of x, one write of y.
-#include "fastattn/cuda_utils.cuh"  // first: it prepares the c10/cuda includes
+#include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,6 +29,8 @@
 namespace fastattn {
 namespace cuda {
 namespace {
+
+using namespace ::fastattn::cuda_helpers;
 
 constexpr int kThreads = 256;
 

@@ -1,20 +1,19 @@
-// Device and launch helpers of the CUDA softmax, ffn and attention kernels (csrc/cuda/softmax.cu,
-// ffn.cu, attention.cu; the mma wrappers are in cuda_mma.cuh). Included only from .cu files, and
-// FIRST: it prepares the c10/cuda includes.
+// Device and launch helpers of every CUDA kernel (csrc/cuda/*.cu: softmax, ffn, attention,
+// layer_norm, rope; the mma wrappers are in cuda_mma.cuh), and of extensions built against
+// fastattn's headers. Included only from .cu files, and FIRST: it prepares the c10/cuda includes.
 //
-// Everything lives in namespace fastattn::cuda_helpers (the kernels say `using namespace` on it),
-// apart from the cuda_utils.cuh helpers of the other CUDA ops, so the two headers can evolve
-// independently without clashing names or ODR surprises.
+// Everything lives in namespace fastattn::cuda_helpers (the kernels say `using namespace` on it).
 //
 // - element conversion: to_float / from_float for float, c10::Half, c10::BFloat16 (fp32 math);
 // - Vec<T, N>: an N-element, N*sizeof(T)-byte aligned bundle for 16-byte (or smaller) vector
-//   loads and stores; is_aligned() / strides_multiple_of() decide on the host whether a pointer
-//   and its strides allow it;
+//   loads and stores (32 bytes for float32 parameters beside 16-bit rows), kVec16<T> elements in
+//   16 bytes; is_aligned() / strides_multiple_of() decide on the host whether a pointer and its
+//   strides allow it;
 // - warp, quad (the 4 lanes of an mma fragment row) and block reductions, and the (max,
 //   sum-of-exp2) pair of an online softmax;
 // - MaskKind and mask_additive(): how every kernel reads a user mask (bool True = keep, or any
 //   floating dtype added) through its strides, as an additive value (0 / -inf for bool);
-// - host: argument checks, grid sizes, the opt-in shared-memory limit.
+// - host: argument checks, ceil_div and grid sizes, the opt-in shared-memory limit.
 //
 // Conventions: every global offset is int64_t; kernels that loop over rows or elements use
 // grid-stride loops, so a grid capped by grid_1d() still covers any size.
@@ -74,13 +73,15 @@ __device__ __forceinline__ c10::BFloat16 from_float<c10::BFloat16>(float x) {
 }
 
 // -------------------------------------------------------------------------------------------
-// Vector bundles. Vec<T, N> is N elements aligned to N * sizeof(T) bytes (at most 16), so one
-// load/store instruction moves it when the address is aligned to that size.
+// Vector bundles. Vec<T, N> is N elements aligned to N * sizeof(T) bytes, so one load/store
+// instruction moves it (two for 32 bytes) when the address is aligned to that size. At most 32
+// bytes: layer_norm.cu reads float32 weight / bias vectors of as many elements (kVec16<T>) as a
+// 16-byte vector of its 16-bit rows.
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   static_assert(N >= 1 && (N & (N - 1)) == 0, "Vec length must be a power of two");
-  static_assert(sizeof(T) * N <= 16, "Vec must fit in 16 bytes");
+  static_assert(sizeof(T) * N <= 32, "Vec must fit in 32 bytes");
   T v[N];
 };
 
@@ -97,8 +98,8 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
-// Host: whether `ptr` is `bytes`-aligned.
-inline bool is_aligned(const void* ptr, int64_t bytes) {
+// Whether `ptr` is `bytes`-aligned (host or device).
+__host__ __device__ inline bool is_aligned(const void* ptr, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
 }
 // Host: whether every stride (in elements) is a multiple of n, so n-element vectors stay aligned
@@ -159,8 +160,10 @@ __device__ __forceinline__ MaxSum warp_max_sum(MaxSum v) {
 }
 
 // Block-wide reductions: every thread of the block must call them (they synchronize), blockDim.x
-// a multiple of 32, and every thread gets the result. `scratch` needs kWarpSize floats of shared
-// memory; the function ends with a barrier, so the same scratch may be reused right after.
+// a multiple of 32, and every thread gets the result (the warps' values added in warp order:
+// deterministic, bitwise identical in every thread). `scratch` needs kWarpSize floats of shared
+// memory, not in use by other code at the call; the function ends with a barrier, so the same
+// scratch may be reused (by the next call or anything else) right after.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int nwarps = static_cast<int>(blockDim.x) / kWarpSize;
@@ -243,7 +246,8 @@ inline int max_smem_optin(int device) {
   return n;
 }
 
-// A 1-D grid of `blocks` blocks, capped (grid-stride loops cover the rest); at least 1.
+// A 1-D grid of `blocks` blocks, at least 1 and at most kMaxGridX: kernels launched with it either
+// loop over their work with a grid-stride loop or never need more than kMaxGridX blocks.
 inline unsigned grid_1d(int64_t blocks) {
   if (blocks < 1) blocks = 1;
   return static_cast<unsigned>(blocks < kMaxGridX ? blocks : kMaxGridX);
