@@ -7,7 +7,7 @@ SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.c
 
 .install: $(SOURCES)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install ninja
+	$(PY) -m pip install ninja wheel "setuptools>=70.1"
 	$(PY) -m pip install --no-build-isolation -e ".[test,bench]"
 	touch .install
 
