@@ -10,10 +10,11 @@
 
 namespace fastattn {
 
-// A matrix of rows: 2-D with a contiguous last dimension and any row stride.
+// A matrix of rows: 2-D with a contiguous last dimension and any row stride (an empty one, as
+// autograd may hand over, can have any strides).
 inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D (rows, N), got shape ", t.sizes());
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, name,
+  TORCH_CHECK(t.size(1) <= 1 || t.size(0) == 0 || t.stride(1) == 1, name,
               " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
               t.strides());
 }
