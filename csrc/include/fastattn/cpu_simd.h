@@ -21,6 +21,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -108,6 +109,12 @@ FASTATTN_RAW_VEC(float, 4)
 FASTATTN_RAW_VEC(double, 8)
 FASTATTN_RAW_VEC(double, 4)
 FASTATTN_RAW_VEC(double, 2)
+FASTATTN_RAW_VEC(uint16_t, 16)
+FASTATTN_RAW_VEC(uint16_t, 8)
+FASTATTN_RAW_VEC(uint16_t, 4)
+FASTATTN_RAW_VEC(uint32_t, 16)
+FASTATTN_RAW_VEC(uint32_t, 8)
+FASTATTN_RAW_VEC(uint32_t, 4)
 #undef FASTATTN_RAW_VEC
 
 template <class A, int W>
@@ -260,15 +267,62 @@ FASTATTN_INLINE T from_acc(A x) {
   }
 }
 
+// W bfloat16 values <-> a float vector, with integer vector ops (bfloat16 is the high half of a
+// float; stores round to nearest even, NaN -> quiet NaN), as to_acc / from_acc do per element.
+#if FASTATTN_VECTOR_EXTENSIONS
+template <int W>
+FASTATTN_INLINE Vec<float, W> load_bf16(const c10::BFloat16* p) {
+  using U16 = typename RawVec<uint16_t, W>::type;
+  using U32 = typename RawVec<uint32_t, W>::type;
+  U16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32 u = __builtin_convertvector(h, U32) << 16;
+  Vec<float, W> r;
+  std::memcpy(&r.v, &u, sizeof(u));
+  return r;
+}
+
+template <int W>
+FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
+  using U16 = typename RawVec<uint16_t, W>::type;
+  using U32 = typename RawVec<uint32_t, W>::type;
+  U32 u;
+  std::memcpy(&u, &x.v, sizeof(u));
+  U32 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  r = x.v != x.v ? U32{} + 0x7FC0u : r;
+  const U16 h = __builtin_convertvector(r, U16);
+  std::memcpy(p, &h, sizeof(h));
+}
+#else
+template <int W>
+FASTATTN_INLINE Vec<float, W> load_bf16(const c10::BFloat16* p) {
+  Vec<float, W> r;
+  for (int i = 0; i < W; ++i) r.v[i] = to_acc<float>(p[i]);
+  return r;
+}
+template <int W>
+FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
+  for (int i = 0; i < W; ++i) p[i] = from_acc<c10::BFloat16>(x.v[i]);
+}
+#endif
+
 // dst[0, n) = src[0, n) converted to A.
 template <class A, class T>
 FASTATTN_INLINE void convert_to_acc(const T* src, A* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_acc<A>(src[i]);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
+    for (; i + 16 <= n; i += 16) load_bf16<16>(src + i).store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = to_acc<A>(src[i]);
 }
 
 template <class T, class A>
 FASTATTN_INLINE void convert_from_acc(const A* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = from_acc<T>(src[i]);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
+    for (; i + 16 <= n; i += 16) store_bf16<16>(Vec<float, 16>::load(src + i), dst + i);
+  }
+  for (; i < n; ++i) dst[i] = from_acc<T>(src[i]);
 }
 
 // The accumulation type: double for double, float otherwise.

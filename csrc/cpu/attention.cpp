@@ -1,0 +1,1037 @@
+// Fused scaled dot-product attention on CPU (fastattn::attention_fwd / attention_bwd).
+//
+// Math (per batch b and query head h; key/value head g = h / (H / Hkv)), as docs/numerics.md:
+//
+//   S   = scale * Q K^T + M         M: the float mask, or 0 / -inf from a bool mask, and -inf
+//                                   outside the band  i + offset - left <= j <= i + offset + right
+//   lse = log sum_j exp(S_ij)       float32; -inf for a row with nothing to attend (its O is 0)
+//   P   = exp(S - lse),  O = (P * Z) V      Z = keep / (1 - p) from fastattn/rng.h (1 if p = 0)
+//
+//   delta = rowsum(dO * O),  dV = (P * Z)^T dO,  dS = P * (Z * (dO V^T) - delta),
+//   dQ = scale * dS K,  dK = scale * dS^T Q,  dmask = dS (float32, when asked)
+//
+// Algorithm: flash attention with O(L) extra memory; no Lq x Lk matrix is ever formed (dmask,
+// an output, excepted).
+//
+// * Packing (memory-bound, parallel): q, k, v (and dout) are converted once to the accumulation
+//   type A (float; double for float64) into the layouts the tile GEMMs stream: row-major, the
+//   head dim zero-padded to 64 bytes, or transposed tiles (dim x tile). Q is packed times `scale`.
+//   That is O((Lq + Lk) * D) memory. The workers depend on A only; float16 / bfloat16 outputs are
+//   computed in A and rounded once at the end.
+// * Forward: one task per (query block of kFwdBlockQ rows, b, h). It visits only the key tiles
+//   (kFwdBlockK keys) that intersect the band; per tile S = (scale Q) K^T (register-blocked GEMM,
+//   cpu_gemm.h), the mask (read through its strides), the band (edge tiles only: tiles fully
+//   inside it skip the test), online softmax (running max / sum, vectorized exp), dropout, and
+//   O += P V. Rows that saw no key end with l = 0: O = 0 and lse = -inf.
+// * Backward: delta = rowsum(dO * O), then P is recomputed from lse per tile (64 x 64 tiles).
+//   No atomics: every output element has one owner, so results are deterministic.
+//   - one pass, when the (b, kv head) pairs keep the threads busy: one task per (b, kv head) owns
+//     dK / dV of the whole head (task-local O(Lk * D) buffers) and walks the group's query heads,
+//     their query tiles and the key tiles inside the band: S, P, dV += (P Z)^T dO, dP = dO V^T,
+//     dS, dQ += dS K (the query tile's buffer), dK += dS^T (scale Q). Five GEMMs per tile pair.
+//   - two passes, otherwise (few (b, kv head) pairs for the threads): dK/dV tasks per (key block,
+//     b, kv head) loop over the group's query heads and query tiles (S^T = K Q^T, P^T, dV, dP^T,
+//     dS^T, dK), then dQ tasks per (query block, b, h) loop over key tiles (S, P, dP, dS, dQ).
+//     Seven GEMMs per tile pair, but B * H * Lq / 64 and B * Hkv * Lk / 64 tasks.
+//   dmask, when asked, is written by whichever task computes dS (it starts as zeros, so tiles
+//   outside the band and masked entries are 0). float64 inputs first recompute lse in float64 (a
+//   statistics-only forward sweep): the saved lse is float32, and float64 gradients should be
+//   exact to float64 rounding.
+// * Threads: at::parallel_for starts one worker per thread; workers take tasks from an atomic
+//   counter, the longest (most tiles inside the band) first, so causal / windowed work balances.
+//   Which backward variant runs depends on the thread count (rounding may differ between them).
+// * SIMD: cpu_simd.h (AVX-512 / AVX2 / baseline chosen at run time).
+//
+// Precision: float32 / float16 / bfloat16 compute in float32 (inputs converted once), float64 in
+// float64; outputs are rounded once. Limits: none on head dims or lengths beyond memory; all
+// index arithmetic is int64 (the dropout counter i * Lk + j wraps mod 2^32 by definition).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "fastattn/common.h"
+#include "fastattn/cpu_gemm.h"
+#include "fastattn/cpu_mask.h"
+#include "fastattn/rng.h"
+
+namespace fastattn {
+namespace {
+
+using cpu::acc_t;
+using cpu::ceil_div;
+using cpu::round_up;
+using cpu::Vec;
+
+// Tile sizes (multiples of 16, the widest vector in floats).
+constexpr int64_t kFwdBlockQ = 64;   // forward: query rows per task
+constexpr int64_t kFwdBlockK = 256;  // forward: keys per tile
+constexpr int64_t kBwdBlockQ = 64;   // backward: query rows per tile
+constexpr int64_t kBwdBlockK = 64;   // backward: keys per tile
+
+// Padding of packed rows: 64 bytes (16 floats, 8 doubles), a multiple of every vector width.
+template <class A>
+constexpr int64_t kPad = 64 / sizeof(A);
+
+// ---------------------------------------------------------------------------------------------
+// Band, dropout and shapes.
+
+// Key j is visible to query i iff i + lo <= j <= i + hi. lo and hi are clamped to
+// [-(Lq + Lk + 1), Lq + Lk + 1], which changes no answer and keeps all arithmetic in range.
+struct Band {
+  int64_t lo, hi;
+};
+
+int64_t saturating_add(int64_t a, int64_t b) {
+#if defined(__GNUC__) || defined(__clang__)
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) {
+    return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+  }
+  return r;
+#else
+  const int64_t lim = int64_t(1) << 61;
+  return std::clamp(a, -lim, lim) + std::clamp(b, -lim, lim);
+#endif
+}
+
+Band make_band(int64_t offset, int64_t left, int64_t right, int64_t lq, int64_t lk) {
+  const int64_t lim = lq + lk + 1;
+  const int64_t neg_left = left == std::numeric_limits<int64_t>::min()
+                               ? std::numeric_limits<int64_t>::max()
+                               : -left;
+  return {std::clamp(saturating_add(offset, neg_left), -lim, lim),
+          std::clamp(saturating_add(offset, right), -lim, lim)};
+}
+
+struct Dropout {
+  bool on = false;
+  int64_t seed = 0;
+  uint32_t threshold = 0;
+  double inv_keep = 1.0;
+};
+
+struct Shape {
+  int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
+};
+
+// Tasks handed out by an atomic counter (dynamic scheduling; each task writes distinct outputs).
+template <class Worker>
+void run_workers(int64_t ntasks, const Worker& worker) {
+  if (ntasks <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { worker(next); });
+}
+
+// Block indices sorted by decreasing work (number of tiles of the other side inside the band),
+// ties in increasing order: the longest tasks start first.
+std::vector<int64_t> order_by_work(int64_t nblocks, const std::vector<int64_t>& work) {
+  std::vector<int64_t> order(nblocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  return order;
+}
+
+// Number of key tiles (of `tile` keys) visited by query block [i0, i0 + n).
+int64_t key_tiles(const Band& band, int64_t i0, int64_t n, int64_t lk, int64_t tile) {
+  const int64_t jlo = std::max<int64_t>(0, i0 + band.lo);
+  const int64_t jhi = std::min<int64_t>(lk - 1, i0 + n - 1 + band.hi);
+  return jlo > jhi ? 0 : jhi / tile - jlo / tile + 1;
+}
+
+// Number of query tiles visited by key block [j0, j0 + n).
+int64_t query_tiles(const Band& band, int64_t j0, int64_t n, int64_t lq, int64_t tile) {
+  const int64_t ilo = std::max<int64_t>(0, j0 - band.hi);
+  const int64_t ihi = std::min<int64_t>(lq - 1, j0 + n - 1 - band.lo);
+  return ilo > ihi ? 0 : ihi / tile - ilo / tile + 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing (memory-bound, baseline ISA). `src` is (B, heads, L, dim) with strides s (unit stride
+// on dim); rows are indexed bh = b * heads + head.
+
+struct Strided4 {
+  int64_t s0, s1, s2;  // strides of dims 0, 1, 2 (dim 3 has stride 1)
+};
+
+// dst[(bh * L + r) * dpad + d] = scale * src[b, head, r, d], zero for d >= dim; then kGemmRowPad zero
+// rows (dst holds (B * heads * L + kGemmRowPad) * dpad values), so any row block of it can be a
+// GEMM's A operand.
+template <class T, class A>
+void pack_rows(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t L, int64_t dim,
+               int64_t dpad, A* dst, A scale = A(1)) {
+  const int64_t rows = B * heads * L;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, dpad)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t bh = row / L, r = row % L, b = bh / heads, hd = bh % heads;
+      const T* in = src + b * s.s0 + hd * s.s1 + r * s.s2;
+      A* out = dst + row * dpad;
+      cpu::convert_to_acc(in, out, dim);
+      if (scale != A(1)) {
+        for (int64_t d = 0; d < dim; ++d) out[d] *= scale;
+      }
+      std::fill(out + dim, out + dpad, A(0));
+    }
+  });
+  std::fill(dst + rows * dpad, dst + (rows + cpu::kGemmRowPad) * dpad, A(0));
+}
+
+// Elements of a pack_rows buffer.
+int64_t packed_rows_size(int64_t rows, int64_t dpad) { return (rows + cpu::kGemmRowPad) * dpad; }
+
+// Transposed tiles: dst[((bh * ntiles + t) * dim + d) * tile + c] = scale * src[b, head, t * tile + c, d],
+// zero for rows >= L.
+template <class T, class A>
+void pack_transposed(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t L, int64_t dim,
+                     int64_t tile, A* dst, A scale = A(1)) {
+  const int64_t ntiles = ceil_div(L, tile);
+  at::parallel_for(0, B * heads * ntiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> row(dim);
+    for (int64_t bt = t0; bt < t1; ++bt) {
+      const int64_t bh = bt / ntiles, t = bt % ntiles, b = bh / heads, hd = bh % heads;
+      A* out = dst + bt * dim * tile;
+      const int64_t n = std::min(tile, L - t * tile);
+      for (int64_t c = 0; c < n; ++c) {
+        const T* in = src + b * s.s0 + hd * s.s1 + (t * tile + c) * s.s2;
+        cpu::convert_to_acc(in, row.data(), dim);
+        for (int64_t d = 0; d < dim; ++d) out[d * tile + c] = row[d] * scale;
+      }
+      for (int64_t d = 0; d < dim; ++d) std::fill(out + d * tile + n, out + (d + 1) * tile, A(0));
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row helpers (FASTATTN_INLINE: compiled for the ISA of the calling worker). n is a multiple of
+// V::size unless said otherwise.
+
+template <class V>
+FASTATTN_INLINE void scale_row(typename V::value_type* s, int64_t n, typename V::value_type scale) {
+  const V sv(scale);
+  for (int64_t c = 0; c < n; c += V::size) (V::load(s + c) * sv).store(s + c);
+}
+
+template <class V>
+FASTATTN_INLINE typename V::value_type max_row(const typename V::value_type* s, int64_t n) {
+  using A = typename V::value_type;
+  V m0(-std::numeric_limits<A>::infinity()), m1 = m0;
+  int64_t c = 0;
+  for (; c + 2 * V::size <= n; c += 2 * V::size) {
+    m0 = max(m0, V::load(s + c));
+    m1 = max(m1, V::load(s + c + V::size));
+  }
+  if (c < n) m0 = max(m0, V::load(s + c));
+  return max(m0, m1).max_lane();
+}
+
+// s = exp(s - m) in place; returns the sum.
+template <class V>
+FASTATTN_INLINE typename V::value_type exp_sum_row(typename V::value_type* s, int64_t n,
+                                                   typename V::value_type m) {
+  using A = typename V::value_type;
+  const V mv(m);
+  V a0(A(0)), a1(A(0));
+  int64_t c = 0;
+  for (; c + 2 * V::size <= n; c += 2 * V::size) {
+    const V e0 = cpu::vexp(V::load(s + c) - mv), e1 = cpu::vexp(V::load(s + c + V::size) - mv);
+    e0.store(s + c);
+    e1.store(s + c + V::size);
+    a0 = a0 + e0;
+    a1 = a1 + e1;
+  }
+  if (c < n) {
+    const V e0 = cpu::vexp(V::load(s + c) - mv);
+    e0.store(s + c);
+    a0 = a0 + e0;
+  }
+  return (a0 + a1).sum();
+}
+
+// s = exp(s - m) in place (m a scalar).
+template <class V>
+FASTATTN_INLINE void exp_row(typename V::value_type* s, int64_t n, typename V::value_type m) {
+  const V mv(m);
+  for (int64_t c = 0; c < n; c += V::size) cpu::vexp(V::load(s + c) - mv).store(s + c);
+}
+
+// s = exp(s - m[c]) in place (a per-column m).
+template <class V>
+FASTATTN_INLINE void exp_row_cols(typename V::value_type* s, int64_t n,
+                                  const typename V::value_type* m) {
+  for (int64_t c = 0; c < n; c += V::size) cpu::vexp(V::load(s + c) - V::load(m + c)).store(s + c);
+}
+
+// dst = s * z
+template <class V>
+FASTATTN_INLINE void mul_row_to(typename V::value_type* dst, const typename V::value_type* s,
+                                int64_t n, const typename V::value_type* z) {
+  for (int64_t c = 0; c < n; c += V::size) (V::load(s + c) * V::load(z + c)).store(dst + c);
+}
+
+// dp = p * (dp * z - delta) with a scalar delta (z = null: no dropout).
+template <class V>
+FASTATTN_INLINE void ds_row(typename V::value_type* dp, const typename V::value_type* p,
+                            const typename V::value_type* z, int64_t n,
+                            typename V::value_type delta) {
+  const V dv(delta);
+  for (int64_t c = 0; c < n; c += V::size) {
+    V d = V::load(dp + c);
+    if (z != nullptr) d = d * V::load(z + c);
+    (V::load(p + c) * (d - dv)).store(dp + c);
+  }
+}
+
+// dp = p * (dp * z - delta[c]) with a per-column delta.
+template <class V>
+FASTATTN_INLINE void ds_row_cols(typename V::value_type* dp, const typename V::value_type* p,
+                                 const typename V::value_type* z, int64_t n,
+                                 const typename V::value_type* delta) {
+  for (int64_t c = 0; c < n; c += V::size) {
+    V d = V::load(dp + c);
+    if (z != nullptr) d = d * V::load(z + c);
+    (V::load(p + c) * (d - V::load(delta + c))).store(dp + c);
+  }
+}
+
+// z[c] = keep(counter = base + c * stride) ? inv_keep : 0 for c < n (any n).
+template <class A>
+FASTATTN_INLINE void dropout_row(A* z, int64_t n, uint32_t base, uint32_t stride, uint32_t stream,
+                                 uint32_t threshold, A inv_keep) {
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t bits = dropout_bits(stream, base, static_cast<uint32_t>(c) * stride);
+    z[c] = bits >= threshold ? inv_keep : A(0);
+  }
+}
+
+// Sets s[c] = -inf for c outside [c_lo, c_hi) and for the padding [n, npad).
+template <class A>
+FASTATTN_INLINE void band_row(A* s, int64_t n, int64_t npad, int64_t c_lo, int64_t c_hi) {
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  c_lo = std::clamp<int64_t>(c_lo, 0, n);
+  c_hi = std::clamp<int64_t>(c_hi, c_lo, n);
+  std::fill(s, s + c_lo, neg_inf);
+  std::fill(s + c_hi, s + npad, neg_inf);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward. The workers depend only on the accumulation type A: inputs arrive packed in A and
+// outputs leave in A (the op converts them when the dtype is float16 / bfloat16).
+
+template <class A>
+struct FwdArgs {
+  Shape sh;
+  Band band;
+  Dropout drop;
+  cpu::MaskView mask;
+  A scale;
+  const A* qp;  // (B * H * Lq + pad, qld) queries, row-major
+  int64_t qld;
+  const A* kt;  // (B * Hkv, nkb, D, BK) transposed key tiles
+  const A* vp;  // (B * Hkv * Lk + pad, Dvp)
+  int64_t Dvp, BQ, BK, nqb, nkb;
+  const int64_t* qb_order;
+  // outputs: out (B, H, Lq, Dv) and lse (B, H, Lq); or, for the statistics-only sweep of the
+  // float64 backward, lse_acc (B * H, lse_ld) with +inf for rows with nothing to attend.
+  A* out;
+  float* lse;
+  A* lse_acc;
+  int64_t lse_ld;
+};
+
+template <class V, bool kStats>
+FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::atomic<int64_t>& next) {
+  using A = typename V::value_type;
+  constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
+  const Shape& sh = p.sh;
+  const int64_t D = sh.D, Dv = sh.Dv, Dvp = p.Dvp, BQ = p.BQ, BK = p.BK;
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  std::vector<A> sbuf((BQ + R) * BK), obuf(kStats ? 0 : (BQ + R) * std::max(Dvp, W));
+  std::vector<A> m(BQ), l(BQ), z(p.drop.on ? BK : 0);
+  const int64_t BH = sh.B * sh.H, ntasks = BH * p.nqb;
+  for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
+    const int64_t qb = p.qb_order[t / BH], bh = t % BH, b = bh / sh.H, h = bh % sh.H;
+    const int64_t bg = b * sh.Hkv + h / sh.G;
+    const int64_t i0 = qb * BQ, nq = std::min(BQ, sh.Lq - i0);
+    const uint32_t stream = p.drop.on ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
+    const A* qblk = p.qp + (bh * sh.Lq + i0) * p.qld;
+    std::fill(m.begin(), m.begin() + nq, neg_inf);
+    std::fill(l.begin(), l.begin() + nq, A(0));
+    if constexpr (!kStats) std::fill(obuf.begin(), obuf.end(), A(0));
+
+    const int64_t jlo = std::max<int64_t>(0, i0 + p.band.lo);
+    const int64_t jhi = std::min<int64_t>(sh.Lk - 1, i0 + nq - 1 + p.band.hi);
+    for (int64_t kb = jlo / BK; jlo <= jhi && kb <= jhi / BK; ++kb) {
+      const int64_t j0 = kb * BK, nk = std::min(BK, sh.Lk - j0), nkp = round_up(nk, W);
+      const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
+      A* s = sbuf.data();
+      cpu::gemm<V>(nq, nkp, D, qblk, p.qld, p.kt + (bg * p.nkb + kb) * D * BK, BK, s, BK, false);
+      for (int64_t r = 0; r < nq; ++r) {
+        A* sr = s + r * BK;
+        const int64_t i = i0 + r;
+        if (p.mask.defined()) {
+          cpu::apply_mask_row(sr, nk, p.mask, p.mask.offset(b, h, i, j0), p.mask.stride[3]);
+        }
+        if (!full || nk < nkp) {
+          band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
+        }
+        const A mx = max_row<V>(sr, nkp);
+        const A m_new = std::max(m[r], mx);
+        if (m_new == neg_inf) {  // nothing visible in this row yet: P = 0
+          if constexpr (!kStats) std::fill(sr, sr + nk, A(0));
+          continue;
+        }
+        const A alpha = cpu::sexp(m[r] - m_new);
+        const A sum = exp_sum_row<V>(sr, nkp, m_new);
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+        if constexpr (!kStats) {
+          if (alpha != A(1)) scale_row<V>(obuf.data() + r * Dvp, Dvp, alpha);
+          if (p.drop.on) {
+            dropout_row<A>(z.data(), nk, dropout_row_base(i, sh.Lk) + static_cast<uint32_t>(j0), 1,
+                           stream, p.drop.threshold, static_cast<A>(p.drop.inv_keep));
+            for (int64_t c = 0; c < nk; ++c) sr[c] *= z[c];
+          }
+        }
+      }
+      if constexpr (!kStats) {
+        cpu::gemm<V>(nq, Dvp, nk, s, BK, p.vp + (bg * sh.Lk + j0) * Dvp, Dvp, obuf.data(), Dvp, true);
+      }
+    }
+
+    for (int64_t r = 0; r < nq; ++r) {
+      const int64_t i = i0 + r;
+      const bool dead = !(l[r] > A(0));
+      const A lse = dead ? neg_inf : m[r] + std::log(l[r]);
+      if constexpr (kStats) {
+        p.lse_acc[bh * p.lse_ld + i] = dead ? -neg_inf : lse;
+      } else {
+        const A inv = dead ? A(0) : A(1) / l[r];
+        const A* o = obuf.data() + r * Dvp;
+        A* dst = p.out + (bh * sh.Lq + i) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) dst[d] = o[d] * inv;
+        p.lse[bh * sh.Lq + i] = static_cast<float>(lse);
+      }
+    }
+  }
+}
+
+// ISA entry points: the worker compiled for AVX-512, AVX2 and the baseline.
+template <class A, bool kStats>
+FASTATTN_TARGET_AVX512 void fwd_avx512(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
+  fwd_worker<Vec<A, 64 / sizeof(A)>, kStats>(p, next);
+}
+template <class A, bool kStats>
+FASTATTN_TARGET_AVX2 void fwd_avx2(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
+  fwd_worker<Vec<A, 32 / sizeof(A)>, kStats>(p, next);
+}
+template <class A, bool kStats>
+void fwd_default(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
+  fwd_worker<Vec<A, 16 / sizeof(A)>, kStats>(p, next);
+}
+template <class A, bool kStats>
+void fwd_dispatch(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
+  switch (cpu::cpu_isa()) {
+    case cpu::Isa::kAvx512: return fwd_avx512<A, kStats>(p, next);
+    case cpu::Isa::kAvx2: return fwd_avx2<A, kStats>(p, next);
+    default: return fwd_default<A, kStats>(p, next);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+template <class A>
+struct BwdArgs {
+  Shape sh;
+  Band band;
+  Dropout drop;
+  cpu::MaskView mask;
+  A scale;
+  int64_t Dp, Dvp, TQ, TK, nqb, nkb, Lq_pad;
+  const A *qp, *qt, *kp, *kt, *vp, *vt, *dop, *dot;
+  const A* lse;    // (B * H, Lq_pad): +inf for rows with nothing to attend and padding
+  const A* delta;  // (B * H, Lq_pad): rowsum(dO * O), 0 for padding
+  const int64_t* kb_order;
+  const int64_t* qb_order;
+  A *dq, *dk, *dv;  // contiguous, shaped like q, k, v
+  float* dmask;     // (B, H, Lq, Lk) or null
+};
+
+template <class V>
+FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::atomic<int64_t>& next) {
+  using A = typename V::value_type;
+  constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
+  const Shape& sh = p.sh;
+  const int64_t D = sh.D, Dv = sh.Dv, Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
+  const bool drop = p.drop.on;
+  std::vector<A> st((TK + R) * TQ), dpt((TK + R) * TQ), pz(drop ? (TK + R) * TQ : 0);
+  std::vector<A> z(drop ? TK * TQ : 0);
+  std::vector<A> dk_acc((TK + R) * std::max(Dp, W)), dv_acc((TK + R) * std::max(Dvp, W));
+  const int64_t BG = sh.B * sh.Hkv, ntasks = BG * p.nkb;
+  for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
+    const int64_t kb = p.kb_order[t / BG], bg = t % BG, b = bg / sh.Hkv, g = bg % sh.Hkv;
+    const int64_t j0 = kb * TK, nk = std::min(TK, sh.Lk - j0);
+    std::fill(dk_acc.begin(), dk_acc.end(), A(0));
+    std::fill(dv_acc.begin(), dv_acc.end(), A(0));
+    const A* kblk = p.kp + (bg * sh.Lk + j0) * Dp;
+    const A* vblk = p.vp + (bg * sh.Lk + j0) * Dvp;
+    const int64_t ilo = std::max<int64_t>(0, j0 - p.band.hi);
+    const int64_t ihi = std::min<int64_t>(sh.Lq - 1, j0 + nk - 1 - p.band.lo);
+    for (int64_t h = g * sh.G; ilo <= ihi && h < (g + 1) * sh.G; ++h) {
+      const int64_t bh = b * sh.H + h;
+      const uint32_t stream = drop ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
+      for (int64_t qb = ilo / TQ; qb <= ihi / TQ; ++qb) {
+        const int64_t i0 = qb * TQ, nq = std::min(TQ, sh.Lq - i0), nqp = round_up(nq, W);
+        const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
+        const A* lse = p.lse + bh * p.Lq_pad + i0;
+        const A* delta = p.delta + bh * p.Lq_pad + i0;
+        // S^T = K Q^T, P^T = exp(S^T - lse)
+        cpu::gemm<V>(nk, nqp, D, kblk, Dp, p.qt + (bh * p.nqb + qb) * D * TQ, TQ, st.data(), TQ,
+                     false);
+        for (int64_t r = 0; r < nk; ++r) {
+          A* sr = st.data() + r * TQ;
+          const int64_t j = j0 + r;
+          if (p.mask.defined()) {
+            cpu::apply_mask_row(sr, nq, p.mask, p.mask.offset(b, h, i0, j), p.mask.stride[2]);
+          }
+          if (!full || nq < nqp) {
+            band_row(sr, nq, nqp, full ? 0 : j - p.band.hi - i0, full ? nq : j - p.band.lo - i0 + 1);
+          }
+          exp_row_cols<V>(sr, nqp, lse);
+          if (drop) {
+            A* zr = z.data() + r * TQ;
+            dropout_row<A>(zr, nq, dropout_row_base(i0, sh.Lk) + static_cast<uint32_t>(j),
+                           static_cast<uint32_t>(sh.Lk), stream, p.drop.threshold,
+                           static_cast<A>(p.drop.inv_keep));
+            std::fill(zr + nq, zr + nqp, A(0));
+            mul_row_to<V>(pz.data() + r * TQ, sr, nqp, zr);
+          }
+        }
+        // dV += (P Z)^T dO
+        cpu::gemm<V>(nk, Dvp, nq, drop ? pz.data() : st.data(), TQ, p.dop + (bh * sh.Lq + i0) * Dvp,
+                     Dvp, dv_acc.data(), Dvp, true);
+        // dP^T = V dO^T, dS^T = P^T (Z dP^T - delta)
+        cpu::gemm<V>(nk, nqp, Dv, vblk, Dvp, p.dot + (bh * p.nqb + qb) * Dv * TQ, TQ, dpt.data(),
+                     TQ, false);
+        for (int64_t r = 0; r < nk; ++r) {
+          ds_row_cols<V>(dpt.data() + r * TQ, st.data() + r * TQ, drop ? z.data() + r * TQ : nullptr,
+                         nqp, delta);
+        }
+        // dK += dS^T Q
+        cpu::gemm<V>(nk, Dp, nq, dpt.data(), TQ, p.qp + (bh * sh.Lq + i0) * Dp, Dp, dk_acc.data(),
+                     Dp, true);
+      }
+    }
+    for (int64_t r = 0; r < nk; ++r) {
+      A* dk = p.dk + (bg * sh.Lk + j0 + r) * D;
+      A* dv = p.dv + (bg * sh.Lk + j0 + r) * Dv;
+      for (int64_t d = 0; d < D; ++d) dk[d] = dk_acc[r * Dp + d];  // Q was packed scaled
+      for (int64_t d = 0; d < Dv; ++d) dv[d] = dv_acc[r * Dvp + d];
+    }
+  }
+}
+
+template <class V>
+FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::atomic<int64_t>& next) {
+  using A = typename V::value_type;
+  constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
+  const Shape& sh = p.sh;
+  const int64_t D = sh.D, Dv = sh.Dv, Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
+  const bool drop = p.drop.on;
+  std::vector<A> s((TQ + R) * TK), dp((TQ + R) * TK), z(drop ? TQ * TK : 0);
+  std::vector<A> dq_acc((TQ + R) * std::max(Dp, W));
+  const int64_t BH = sh.B * sh.H, ntasks = BH * p.nqb;
+  for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
+    const int64_t qb = p.qb_order[t / BH], bh = t % BH, b = bh / sh.H, h = bh % sh.H;
+    const int64_t bg = b * sh.Hkv + h / sh.G;
+    const int64_t i0 = qb * TQ, nq = std::min(TQ, sh.Lq - i0);
+    const uint32_t stream = drop ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
+    std::fill(dq_acc.begin(), dq_acc.end(), A(0));
+    const A* qblk = p.qp + (bh * sh.Lq + i0) * Dp;
+    const A* doblk = p.dop + (bh * sh.Lq + i0) * Dvp;
+    const A* lse = p.lse + bh * p.Lq_pad + i0;
+    const A* delta = p.delta + bh * p.Lq_pad + i0;
+    const int64_t jlo = std::max<int64_t>(0, i0 + p.band.lo);
+    const int64_t jhi = std::min<int64_t>(sh.Lk - 1, i0 + nq - 1 + p.band.hi);
+    for (int64_t kb = jlo / TK; jlo <= jhi && kb <= jhi / TK; ++kb) {
+      const int64_t j0 = kb * TK, nk = std::min(TK, sh.Lk - j0), nkp = round_up(nk, W);
+      const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
+      cpu::gemm<V>(nq, nkp, D, qblk, Dp, p.kt + (bg * p.nkb + kb) * D * TK, TK, s.data(), TK, false);
+      for (int64_t r = 0; r < nq; ++r) {
+        A* sr = s.data() + r * TK;
+        const int64_t i = i0 + r;
+        if (p.mask.defined()) {
+          cpu::apply_mask_row(sr, nk, p.mask, p.mask.offset(b, h, i, j0), p.mask.stride[3]);
+        }
+        if (!full || nk < nkp) {
+          band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
+        }
+        exp_row<V>(sr, nkp, lse[r]);
+        if (drop) {
+          A* zr = z.data() + r * TK;
+          dropout_row<A>(zr, nk, dropout_row_base(i, sh.Lk) + static_cast<uint32_t>(j0), 1, stream,
+                         p.drop.threshold, static_cast<A>(p.drop.inv_keep));
+          std::fill(zr + nk, zr + nkp, A(0));
+        }
+      }
+      // dP = dO V^T, dS = P (Z dP - delta)
+      cpu::gemm<V>(nq, nkp, Dv, doblk, Dvp, p.vt + (bg * p.nkb + kb) * Dv * TK, TK, dp.data(), TK,
+                   false);
+      for (int64_t r = 0; r < nq; ++r) {
+        ds_row<V>(dp.data() + r * TK, s.data() + r * TK, drop ? z.data() + r * TK : nullptr, nkp,
+                  delta[r]);
+        if (p.dmask != nullptr) {
+          float* dst = p.dmask + (bh * sh.Lq + i0 + r) * sh.Lk + j0;
+          const A* src = dp.data() + r * TK;
+          for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]);
+        }
+      }
+      // dQ += dS K
+      cpu::gemm<V>(nq, Dp, nk, dp.data(), TK, p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(), Dp,
+                   true);
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      A* dst = p.dq + (bh * sh.Lq + i0 + r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = dq_acc[r * Dp + d] * p.scale;
+    }
+  }
+}
+
+// One pass (used when the (b, kv head) pairs alone keep the threads busy): one task per
+// (b, kv head) owns dK / dV of the whole head in its buffers and loops over the group's query
+// heads, their query tiles and the key tiles inside the band: S, P, dV += (P Z)^T dO, dP, dS,
+// dQ += dS K (the query tile's own buffer) and dK += dS^T (scale Q). Five GEMMs per tile pair
+// instead of the two passes' seven; still no atomics.
+template <class V>
+FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
+                                      std::atomic<int64_t>& next) {
+  using A = typename V::value_type;
+  constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
+  const Shape& sh = p.sh;
+  const int64_t D = sh.D, Dv = sh.Dv, Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
+  const bool drop = p.drop.on;
+  std::vector<A> s((TQ + R) * TK), dp((TQ + R) * TK), pz(drop ? (TQ + R) * TK : 0);
+  std::vector<A> z(drop ? TQ * TK : 0), dq_acc(TQ * std::max(Dp, W));
+  std::vector<A> dk_acc(sh.Lk * std::max(Dp, W)), dv_acc(sh.Lk * std::max(Dvp, W));
+  const int64_t BG = sh.B * sh.Hkv;
+  for (int64_t bg; (bg = next.fetch_add(1, std::memory_order_relaxed)) < BG;) {
+    const int64_t b = bg / sh.Hkv, g = bg % sh.Hkv;
+    std::fill(dk_acc.begin(), dk_acc.end(), A(0));
+    std::fill(dv_acc.begin(), dv_acc.end(), A(0));
+    for (int64_t h = g * sh.G; h < (g + 1) * sh.G; ++h) {
+      const int64_t bh = b * sh.H + h;
+      const uint32_t stream = drop ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
+      for (int64_t qb = 0; qb < p.nqb; ++qb) {
+        const int64_t i0 = qb * TQ, nq = std::min(TQ, sh.Lq - i0);
+        const A* qblk = p.qp + (bh * sh.Lq + i0) * Dp;
+        const A* doblk = p.dop + (bh * sh.Lq + i0) * Dvp;
+        const A* lse = p.lse + bh * p.Lq_pad + i0;
+        const A* delta = p.delta + bh * p.Lq_pad + i0;
+        std::fill(dq_acc.begin(), dq_acc.end(), A(0));
+        const int64_t jlo = std::max<int64_t>(0, i0 + p.band.lo);
+        const int64_t jhi = std::min<int64_t>(sh.Lk - 1, i0 + nq - 1 + p.band.hi);
+        for (int64_t kb = jlo / TK; jlo <= jhi && kb <= jhi / TK; ++kb) {
+          const int64_t j0 = kb * TK, nk = std::min(TK, sh.Lk - j0), nkp = round_up(nk, W);
+          const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
+          cpu::gemm<V>(nq, nkp, D, qblk, Dp, p.kt + (bg * p.nkb + kb) * D * TK, TK, s.data(), TK,
+                       false);
+          for (int64_t r = 0; r < nq; ++r) {
+            A* sr = s.data() + r * TK;
+            const int64_t i = i0 + r;
+            if (p.mask.defined()) {
+              cpu::apply_mask_row(sr, nk, p.mask, p.mask.offset(b, h, i, j0), p.mask.stride[3]);
+            }
+            if (!full || nk < nkp) {
+              band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
+            }
+            exp_row<V>(sr, nkp, lse[r]);
+            if (drop) {
+              A* zr = z.data() + r * TK;
+              dropout_row<A>(zr, nk, dropout_row_base(i, sh.Lk) + static_cast<uint32_t>(j0), 1,
+                             stream, p.drop.threshold, static_cast<A>(p.drop.inv_keep));
+              std::fill(zr + nk, zr + nkp, A(0));
+              mul_row_to<V>(pz.data() + r * TK, sr, nkp, zr);
+            }
+          }
+          // dV += (P Z)^T dO
+          cpu::gemm<V, true>(nk, Dvp, nq, drop ? pz.data() : s.data(), TK, doblk, Dvp,
+                             dv_acc.data() + j0 * Dvp, Dvp, true);
+          // dP = dO V^T, dS = P (Z dP - delta)
+          cpu::gemm<V>(nq, nkp, Dv, doblk, Dvp, p.vt + (bg * p.nkb + kb) * Dv * TK, TK, dp.data(),
+                       TK, false);
+          for (int64_t r = 0; r < nq; ++r) {
+            ds_row<V>(dp.data() + r * TK, s.data() + r * TK, drop ? z.data() + r * TK : nullptr,
+                      nkp, delta[r]);
+            if (p.dmask != nullptr) {
+              float* dst = p.dmask + (bh * sh.Lq + i0 + r) * sh.Lk + j0;
+              const A* src = dp.data() + r * TK;
+              for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]);
+            }
+          }
+          // dQ += dS K, dK += dS^T (scale Q)
+          cpu::gemm<V>(nq, Dp, nk, dp.data(), TK, p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(),
+                       Dp, true);
+          cpu::gemm<V, true>(nk, Dp, nq, dp.data(), TK, qblk, Dp, dk_acc.data() + j0 * Dp, Dp, true);
+        }
+        for (int64_t r = 0; r < nq; ++r) {
+          A* dst = p.dq + (bh * sh.Lq + i0 + r) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = dq_acc[r * Dp + d] * p.scale;
+        }
+      }
+    }
+    for (int64_t j = 0; j < sh.Lk; ++j) {
+      std::copy(dk_acc.data() + j * Dp, dk_acc.data() + j * Dp + D, p.dk + (bg * sh.Lk + j) * D);
+      std::copy(dv_acc.data() + j * Dvp, dv_acc.data() + j * Dvp + Dv, p.dv + (bg * sh.Lk + j) * Dv);
+    }
+  }
+}
+
+template <class A>
+FASTATTN_TARGET_AVX512 void fused_bwd_avx512(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  fused_bwd_worker<Vec<A, 64 / sizeof(A)>>(p, next);
+}
+template <class A>
+FASTATTN_TARGET_AVX2 void fused_bwd_avx2(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  fused_bwd_worker<Vec<A, 32 / sizeof(A)>>(p, next);
+}
+template <class A>
+void fused_bwd_default(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  fused_bwd_worker<Vec<A, 16 / sizeof(A)>>(p, next);
+}
+template <class A>
+void fused_bwd_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  switch (cpu::cpu_isa()) {
+    case cpu::Isa::kAvx512: return fused_bwd_avx512<A>(p, next);
+    case cpu::Isa::kAvx2: return fused_bwd_avx2<A>(p, next);
+    default: return fused_bwd_default<A>(p, next);
+  }
+}
+
+template <class A>
+FASTATTN_TARGET_AVX512 void dkdv_avx512(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  dkdv_worker<Vec<A, 64 / sizeof(A)>>(p, next);
+}
+template <class A>
+FASTATTN_TARGET_AVX2 void dkdv_avx2(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  dkdv_worker<Vec<A, 32 / sizeof(A)>>(p, next);
+}
+template <class A>
+void dkdv_default(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  dkdv_worker<Vec<A, 16 / sizeof(A)>>(p, next);
+}
+template <class A>
+FASTATTN_TARGET_AVX512 void dq_avx512(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  dq_worker<Vec<A, 64 / sizeof(A)>>(p, next);
+}
+template <class A>
+FASTATTN_TARGET_AVX2 void dq_avx2(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  dq_worker<Vec<A, 32 / sizeof(A)>>(p, next);
+}
+template <class A>
+void dq_default(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  dq_worker<Vec<A, 16 / sizeof(A)>>(p, next);
+}
+
+template <class A>
+void dkdv_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  switch (cpu::cpu_isa()) {
+    case cpu::Isa::kAvx512: return dkdv_avx512<A>(p, next);
+    case cpu::Isa::kAvx2: return dkdv_avx2<A>(p, next);
+    default: return dkdv_default<A>(p, next);
+  }
+}
+template <class A>
+void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
+  switch (cpu::cpu_isa()) {
+    case cpu::Isa::kAvx512: return dq_avx512<A>(p, next);
+    case cpu::Isa::kAvx2: return dq_avx2<A>(p, next);
+    default: return dq_default<A>(p, next);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks.
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    TORCH_CHECK(t->dim() == 4, name, " must be 4-D (batch, heads, length, head_dim), got shape ",
+                t->sizes());
+    check_float_dtype(*t, name, /*allow_double=*/true);
+    check_device(*t, q, name, "q");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have q's dtype (",
+                q.scalar_type(), "), got ", t->scalar_type());
+  }
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ: q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.size(1) == v.size(1) && k.size(2) == v.size(2), "k ", k.sizes(), " and v ",
+              v.sizes(), " must have the same heads and length");
+  TORCH_CHECK(k.size(3) == q.size(3), "q's head dim (", q.size(3), ") differs from k's (",
+              k.size(3), "): q ", q.sizes(), ", k ", k.sizes());
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  TORCH_CHECK((Hkv > 0 && H % Hkv == 0) || (Hkv == 0 && H == 0), "the query heads (", H,
+              ") must be a multiple of the key/value heads (", Hkv, "): q ", q.sizes(), ", k ",
+              k.sizes());
+}
+
+Dropout make_dropout(double p, int64_t seed) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_p must be in [0, 1), got ", p);
+  Dropout d;
+  d.on = p > 0.0;
+  d.seed = seed;
+  d.threshold = dropout_threshold(p);
+  d.inv_keep = 1.0 / (1.0 - p);
+  return d;
+}
+
+// t with a unit stride on its last dimension (a copy only when it has another).
+at::Tensor unit_last(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+Strided4 strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+std::vector<int64_t> query_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
+  const int64_t nqb = ceil_div(lq, bq);
+  std::vector<int64_t> work(nqb);
+  for (int64_t qb = 0; qb < nqb; ++qb) {
+    work[qb] = key_tiles(band, qb * bq, std::min(bq, lq - qb * bq), lk, bk);
+  }
+  return order_by_work(nqb, work);
+}
+
+std::vector<int64_t> key_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
+  const int64_t nkb = ceil_div(lk, bk);
+  std::vector<int64_t> work(nkb);
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    work[kb] = query_tiles(band, kb * bk, std::min(bk, lk - kb * bk), lq, bq);
+  }
+  return order_by_work(nkb, work);
+}
+
+// `t` itself when T is A (outputs written in place), else a contiguous A tensor of its shape to be
+// copied into it afterwards.
+template <class T, class A>
+at::Tensor acc_output(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, A>) {
+    return t;
+  } else {
+    return at::empty(t.sizes(), t.options().dtype(c10::CppTypeToScalarType<A>::value));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops.
+
+template <class T>
+void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const cpu::MaskView& mask, double scale, const Band& band,
+                        const Dropout& drop, at::Tensor& out, at::Tensor& lse) {
+  using A = acc_t<T>;
+  const auto acc_opts = q.options().dtype(c10::CppTypeToScalarType<A>::value);
+  const Shape sh{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
+                 q.size(3), v.size(3)};
+  const int64_t BQ = kFwdBlockQ, BK = kFwdBlockK;
+  const int64_t nqb = ceil_div(sh.Lq, BQ), nkb = ceil_div(sh.Lk, BK), Dvp = round_up(sh.Dv, kPad<A>);
+  at::Tensor qp = at::empty({packed_rows_size(sh.B * sh.H * sh.Lq, sh.D)}, acc_opts);
+  at::Tensor kt = at::empty({sh.B * sh.Hkv * nkb * sh.D * BK}, acc_opts);
+  at::Tensor vp = at::empty({packed_rows_size(sh.B * sh.Hkv * sh.Lk, Dvp)}, acc_opts);
+  pack_rows<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, sh.D,
+                  qp.data_ptr<A>(), static_cast<A>(scale));
+  pack_transposed<T, A>(k.const_data_ptr<T>(), strides_of(k), sh.B, sh.Hkv, sh.Lk, sh.D, BK,
+                        kt.data_ptr<A>());
+  pack_rows<T, A>(v.const_data_ptr<T>(), strides_of(v), sh.B, sh.Hkv, sh.Lk, sh.Dv, Dvp,
+                  vp.data_ptr<A>());
+  at::Tensor out_acc = acc_output<T, A>(out);
+  const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, BQ, BK);
+  const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), sh.D,
+                     kt.const_data_ptr<A>(), vp.const_data_ptr<A>(), Dvp, BQ, BK, nqb, nkb,
+                     order.data(), out_acc.data_ptr<A>(), lse.data_ptr<float>(), nullptr, 0};
+  run_workers(sh.B * sh.H * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, false>(p, next); });
+  if (!out_acc.is_same(out)) out.copy_(out_acc);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                     const at::Tensor& v_in,
+                                                     const std::optional<at::Tensor>& mask,
+                                                     double scale, int64_t offset, int64_t left,
+                                                     int64_t right, double dropout_p, int64_t seed) {
+  check_qkv(q_in, k_in, v_in);
+  const at::Tensor q = unit_last(q_in), k = unit_last(k_in), v = unit_last(v_in);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
+  const cpu::MaskView mview = cpu::make_mask_view(mask, {B, H, Lq, Lk}, q, "q");
+  const Dropout drop = make_dropout(dropout_p, seed);
+  at::Tensor out = at::empty({B, H, Lq, Dv}, q.options());
+  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
+  if (B * H * Lq == 0) return {out, lse};
+  if (Lk == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  const Band band = make_band(offset, left, right, Lq, Lk);
+  FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_fwd_cpu", [&] {
+    attention_fwd_impl<scalar_t>(q, k, v, mview, scale, band, drop, out, lse);
+  });
+  return {out, lse};
+}
+
+template <class T>
+void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse_in,
+                        const cpu::MaskView& mask, double scale, const Band& band,
+                        const Dropout& drop, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                        float* dmask) {
+  using A = acc_t<T>;
+  const auto acc_opts = q.options().dtype(c10::CppTypeToScalarType<A>::value);
+  const Shape sh{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
+                 q.size(3), v.size(3)};
+  const int64_t TQ = kBwdBlockQ, TK = kBwdBlockK;
+  const int64_t nqb = ceil_div(sh.Lq, TQ), nkb = ceil_div(sh.Lk, TK), Lq_pad = nqb * TQ;
+  const int64_t Dp = round_up(sh.D, kPad<A>), Dvp = round_up(sh.Dv, kPad<A>);
+  const int64_t BH = sh.B * sh.H, BG = sh.B * sh.Hkv;
+  // One pass when the (b, kv head) tasks balance over the threads: its tasks cost about 0.6 of
+  // the two passes' work per head (5 GEMMs instead of 7, one exp instead of two).
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const bool two_pass =
+      static_cast<double>(ceil_div(BG, threads) * threads) * 0.6 > static_cast<double>(BG);
+  at::Tensor qp = at::empty({packed_rows_size(BH * sh.Lq, Dp)}, acc_opts);
+  at::Tensor qt = at::empty({two_pass ? BH * nqb * sh.D * TQ : 0}, acc_opts);
+  at::Tensor dop = at::empty({packed_rows_size(BH * sh.Lq, Dvp)}, acc_opts);
+  at::Tensor dot = at::empty({two_pass ? BH * nqb * sh.Dv * TQ : 0}, acc_opts);
+  at::Tensor kp = at::empty({packed_rows_size(BG * sh.Lk, Dp)}, acc_opts);
+  at::Tensor kt = at::empty({BG * nkb * sh.D * TK}, acc_opts);
+  at::Tensor vp = at::empty({two_pass ? packed_rows_size(BG * sh.Lk, Dvp) : 0}, acc_opts);
+  at::Tensor vt = at::empty({BG * nkb * sh.Dv * TK}, acc_opts);
+  at::Tensor lse = at::empty({BH * Lq_pad}, acc_opts);
+  at::Tensor delta = at::empty({BH * Lq_pad}, acc_opts);
+  // Q is packed times scale: S = (scale Q) K^T, and dK = dS^T (scale Q).
+  const A sc = static_cast<A>(scale);
+  pack_rows<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, Dp, qp.data_ptr<A>(), sc);
+  pack_rows<T, A>(dout.const_data_ptr<T>(), strides_of(dout), sh.B, sh.H, sh.Lq, sh.Dv, Dvp, dop.data_ptr<A>());
+  pack_rows<T, A>(k.const_data_ptr<T>(), strides_of(k), sh.B, sh.Hkv, sh.Lk, sh.D, Dp, kp.data_ptr<A>());
+  pack_transposed<T, A>(k.const_data_ptr<T>(), strides_of(k), sh.B, sh.Hkv, sh.Lk, sh.D, TK, kt.data_ptr<A>());
+  pack_transposed<T, A>(v.const_data_ptr<T>(), strides_of(v), sh.B, sh.Hkv, sh.Lk, sh.Dv, TK, vt.data_ptr<A>());
+  if (two_pass) {
+    pack_transposed<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, TQ, qt.data_ptr<A>(), sc);
+    pack_transposed<T, A>(dout.const_data_ptr<T>(), strides_of(dout), sh.B, sh.H, sh.Lq, sh.Dv, TQ, dot.data_ptr<A>());
+    pack_rows<T, A>(v.const_data_ptr<T>(), strides_of(v), sh.B, sh.Hkv, sh.Lk, sh.Dv, Dvp, vp.data_ptr<A>());
+  }
+
+  // delta = rowsum(dO * O) (O as returned by forward), and lse with +inf for empty rows / padding.
+  {
+    const T* o = out.const_data_ptr<T>();
+    const Strided4 os = strides_of(out);
+    const A* dop_ptr = dop.const_data_ptr<A>();
+    const float* lse_src = lse_in.const_data_ptr<float>();
+    const Strided4 ls{lse_in.stride(0), lse_in.stride(1), lse_in.stride(2)};
+    A* delta_ptr = delta.data_ptr<A>();
+    A* lse_ptr = lse.data_ptr<A>();
+    const bool need_lse = !std::is_same_v<T, double>;
+    const A inf = std::numeric_limits<A>::infinity();
+    at::parallel_for(0, BH, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<A> row(sh.Dv);
+      for (int64_t bh = r0; bh < r1; ++bh) {
+        const int64_t b = bh / sh.H, h = bh % sh.H;
+        for (int64_t i = 0; i < sh.Lq; ++i) {
+          cpu::convert_to_acc(o + b * os.s0 + h * os.s1 + i * os.s2, row.data(), sh.Dv);
+          const A* d = dop_ptr + (bh * sh.Lq + i) * Dvp;
+          A acc = 0;
+          for (int64_t c = 0; c < sh.Dv; ++c) acc += row[c] * d[c];
+          delta_ptr[bh * Lq_pad + i] = acc;
+          if (need_lse) {
+            const float l = lse_src[b * ls.s0 + h * ls.s1 + i * ls.s2];
+            lse_ptr[bh * Lq_pad + i] = l == -std::numeric_limits<float>::infinity() ? inf : A(l);
+          }
+        }
+        std::fill(delta_ptr + bh * Lq_pad + sh.Lq, delta_ptr + (bh + 1) * Lq_pad, A(0));
+        std::fill(lse_ptr + bh * Lq_pad + (need_lse ? sh.Lq : 0), lse_ptr + (bh + 1) * Lq_pad, inf);
+      }
+    });
+  }
+  if constexpr (std::is_same_v<T, double>) {
+    // float64: recompute lse in float64 (the saved one is float32).
+    const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, TQ, TK);
+    const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), Dp,
+                       kt.const_data_ptr<A>(), nullptr, Dvp, TQ, TK, nqb, nkb, order.data(),
+                       nullptr, nullptr, lse.data_ptr<A>(), Lq_pad};
+    run_workers(BH * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, true>(p, next); });
+  }
+
+  at::Tensor dq_acc = acc_output<T, A>(dq), dk_acc = acc_output<T, A>(dk), dv_acc = acc_output<T, A>(dv);
+  const std::vector<int64_t> kb_order = key_order(band, sh.Lq, sh.Lk, TQ, TK);
+  const std::vector<int64_t> qb_order = query_order(band, sh.Lq, sh.Lk, TQ, TK);
+  const BwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), Dp, Dvp, TQ, TK, nqb, nkb, Lq_pad,
+                     qp.const_data_ptr<A>(), qt.const_data_ptr<A>(), kp.const_data_ptr<A>(),
+                     kt.const_data_ptr<A>(), vp.const_data_ptr<A>(), vt.const_data_ptr<A>(),
+                     dop.const_data_ptr<A>(), dot.const_data_ptr<A>(), lse.const_data_ptr<A>(),
+                     delta.const_data_ptr<A>(), kb_order.data(), qb_order.data(),
+                     dq_acc.data_ptr<A>(), dk_acc.data_ptr<A>(), dv_acc.data_ptr<A>(), dmask};
+  if (two_pass) {
+    run_workers(BG * nkb, [&](std::atomic<int64_t>& next) { dkdv_dispatch<A>(p, next); });
+    run_workers(BH * nqb, [&](std::atomic<int64_t>& next) { dq_dispatch<A>(p, next); });
+  } else {
+    run_workers(BG, [&](std::atomic<int64_t>& next) { fused_bwd_dispatch<A>(p, next); });
+  }
+  if (!dq_acc.is_same(dq)) {
+    dq.copy_(dq_acc);
+    dk.copy_(dk_acc);
+    dv.copy_(dv_acc);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
+    const std::optional<at::Tensor>& mask, double scale, int64_t offset, int64_t left,
+    int64_t right, double dropout_p, int64_t seed, bool need_dmask) {
+  check_qkv(q_in, k_in, v_in);
+  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), Lk = k_in.size(2);
+  const int64_t Dv = v_in.size(3);
+  for (const auto& [t, name] : {std::pair{&dout_in, "dout"}, std::pair{&out_in, "out"}}) {
+    check_device(*t, q_in, name, "q");
+    check_shape(*t, {B, H, Lq, Dv}, name);
+    check_dtype(*t, q_in.scalar_type(), name);
+  }
+  check_device(lse, q_in, "lse", "q");
+  check_shape(lse, {B, H, Lq}, "lse");
+  check_dtype(lse, at::kFloat, "lse");
+  const at::Tensor q = unit_last(q_in), k = unit_last(k_in), v = unit_last(v_in);
+  const at::Tensor dout = unit_last(dout_in), out = unit_last(out_in);
+  const cpu::MaskView mview = cpu::make_mask_view(mask, {B, H, Lq, Lk}, q, "q");
+  const Dropout drop = make_dropout(dropout_p, seed);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dmask = need_dmask ? at::zeros({B, H, Lq, Lk}, q.options().dtype(at::kFloat))
+                                : at::empty({0}, q.options().dtype(at::kFloat));
+  if (B * H * Lq == 0 || Lk == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv, dmask};
+  }
+  const Band band = make_band(offset, left, right, Lq, Lk);
+  FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_bwd_cpu", [&] {
+    attention_bwd_impl<scalar_t>(dout, q, k, v, out, lse, mview, scale, band, drop, dq, dk, dv,
+                                 need_dmask ? dmask.data_ptr<float>() : nullptr);
+  });
+  return {dq, dk, dv, dmask};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd_cpu);
+  m.impl("attention_bwd", &attention_bwd_cpu);
+}
+
+}  // namespace fastattn

@@ -1,0 +1,278 @@
+// Scaled masked softmax on CPU (fastattn::softmax_fwd / softmax_bwd).
+//
+//   forward   s_j = scale * x_j + m_j      (float mask: m_j added; bool mask: 0 / -inf)
+//             s_j = -inf where j > i        (is_causal, top-left over (Lq, Lk))
+//             y_j = exp(s_j - max s) / sum_k exp(s_k - max s);  a row with max s = -inf is 0
+//   backward  dx_j = scale * y_j * (dy_j - sum_k dy_k y_k)      (0 for such a row, by formula)
+//
+// Work split: at::parallel_for over the rows of the flattened (L0, L1, Lq) index; x, dy and y are
+// read through their three leading strides (the last dimension is contiguous), the mask through
+// all four of its strides (broadcast dimensions have stride 0 and are never expanded). A row is
+// converted once into a per-thread float buffer (double for float64) padded to a multiple of the
+// vector width with -inf, then processed with cpu_simd.h vectors (AVX-512 / AVX2 / baseline
+// chosen at run time): a max pass, an exp-and-sum pass, and a normalize-and-store pass. Under
+// is_causal only the first i + 1 entries of row i are computed; the rest are written as 0.
+// Outputs are contiguous.
+//
+// Precision: float32 arithmetic for float32 / float16 / bfloat16 (the result is rounded once),
+// float64 for float64. The mask may have any floating dtype (read in the accumulation type) or be
+// bool. Any row length, including 0.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "fastattn/common.h"
+#include "fastattn/cpu_mask.h"
+#include "fastattn/cpu_simd.h"
+
+namespace fastattn {
+namespace {
+
+using cpu::acc_t;
+using cpu::Vec;
+
+struct Rows4 {
+  int64_t L1, Lq, N;
+  int64_t s0, s1, s2;  // strides of the three leading dims (the last has stride 1)
+  int64_t offset(int64_t row) const {
+    const int64_t i = row % Lq, ab = row / Lq;
+    return (ab / L1) * s0 + (ab % L1) * s1 + i * s2;
+  }
+};
+
+template <class T>
+struct FwdArgs {
+  const T* x;
+  Rows4 xr;
+  cpu::MaskView mask;
+  acc_t<T> scale;
+  bool causal;
+  T* y;  // contiguous
+};
+
+template <class T, class V>
+FASTATTN_INLINE void softmax_fwd_rows(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
+  using A = acc_t<T>;
+  constexpr int64_t W = V::size;
+  const int64_t N = p.xr.N, L1 = p.xr.L1, Lq = p.xr.Lq;
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  std::vector<A> buf(cpu::round_up(std::max<int64_t>(N, 1), W));
+  A* s = buf.data();
+  const V sv(p.scale);
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t i = row % Lq;
+    const int64_t n = p.causal ? std::min<int64_t>(N, i + 1) : N;
+    const int64_t np = cpu::round_up(n, W);
+    const T* x = p.x + p.xr.offset(row);
+    T* y = p.y + row * N;
+    // s = scale * x + mask, -inf padded
+    int64_t c = 0;
+    if constexpr (std::is_same_v<T, A>) {
+      for (; c + W <= n; c += W) (V::load(x + c) * sv).store(s + c);
+      for (; c < n; ++c) s[c] = x[c] * p.scale;
+    } else {
+      cpu::convert_to_acc(x, s, n);
+      for (; c + W <= n; c += W) (V::load(s + c) * sv).store(s + c);
+      for (; c < n; ++c) s[c] *= p.scale;
+    }
+    std::fill(s + n, s + np, neg_inf);
+    if (p.mask.defined()) {
+      const int64_t ab = row / Lq;
+      cpu::apply_mask_row(s, n, p.mask, p.mask.offset(ab / L1, ab % L1, i, 0), p.mask.stride[3]);
+    }
+    // max
+    V m0(neg_inf), m1(neg_inf);
+    c = 0;
+    for (; c + 2 * W <= np; c += 2 * W) {
+      m0 = max(m0, V::load(s + c));
+      m1 = max(m1, V::load(s + c + W));
+    }
+    if (c < np) m0 = max(m0, V::load(s + c));
+    const A mx = max(m0, m1).max_lane();
+    if (mx == neg_inf || n == 0) {
+      std::fill(y, y + N, cpu::from_acc<T>(A(0)));
+      continue;
+    }
+    // exp and sum
+    const V mv(mx);
+    V a0(A(0)), a1(A(0));
+    c = 0;
+    for (; c + 2 * W <= np; c += 2 * W) {
+      const V e0 = cpu::vexp(V::load(s + c) - mv), e1 = cpu::vexp(V::load(s + c + W) - mv);
+      e0.store(s + c);
+      e1.store(s + c + W);
+      a0 = a0 + e0;
+      a1 = a1 + e1;
+    }
+    if (c < np) {
+      const V e0 = cpu::vexp(V::load(s + c) - mv);
+      e0.store(s + c);
+      a0 = a0 + e0;
+    }
+    const A inv = A(1) / (a0 + a1).sum();
+    // normalize and store
+    const V iv(inv);
+    c = 0;
+    if constexpr (std::is_same_v<T, A>) {
+      for (; c + W <= n; c += W) (V::load(s + c) * iv).store(y + c);
+      for (; c < n; ++c) y[c] = s[c] * inv;
+    } else {
+      for (; c + W <= n; c += W) (V::load(s + c) * iv).store(s + c);
+      for (; c < n; ++c) s[c] *= inv;
+      cpu::convert_from_acc(s, y, n);
+    }
+    std::fill(y + n, y + N, cpu::from_acc<T>(A(0)));
+  }
+}
+
+template <class T>
+struct BwdArgs {
+  const T* dy;
+  Rows4 dyr;
+  const T* y;
+  Rows4 yr;
+  acc_t<T> scale;
+  T* dx;  // contiguous
+};
+
+template <class T, class V>
+FASTATTN_INLINE void softmax_bwd_rows(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
+  using A = acc_t<T>;
+  constexpr int64_t W = V::size;
+  const int64_t N = p.yr.N;
+  std::vector<A> ybuf(std::is_same_v<T, A> ? 0 : N), dybuf(std::is_same_v<T, A> ? 0 : N);
+  for (int64_t row = r0; row < r1; ++row) {
+    const T* yt = p.y + p.yr.offset(row);
+    const T* dyt = p.dy + p.dyr.offset(row);
+    const A* y;
+    const A* dy;
+    if constexpr (std::is_same_v<T, A>) {
+      y = yt;
+      dy = dyt;
+    } else {
+      cpu::convert_to_acc(yt, ybuf.data(), N);
+      cpu::convert_to_acc(dyt, dybuf.data(), N);
+      y = ybuf.data();
+      dy = dybuf.data();
+    }
+    V a0(A(0)), a1(A(0));
+    int64_t c = 0;
+    for (; c + 2 * W <= N; c += 2 * W) {
+      a0 = fma(V::load(y + c), V::load(dy + c), a0);
+      a1 = fma(V::load(y + c + W), V::load(dy + c + W), a1);
+    }
+    for (; c + W <= N; c += W) a0 = fma(V::load(y + c), V::load(dy + c), a0);
+    A dot = (a0 + a1).sum();
+    for (; c < N; ++c) dot += y[c] * dy[c];
+    const V dv(dot), sv(p.scale);
+    T* dx = p.dx + row * N;
+    c = 0;
+    if constexpr (std::is_same_v<T, A>) {
+      for (; c + W <= N; c += W) (sv * V::load(y + c) * (V::load(dy + c) - dv)).store(dx + c);
+      for (; c < N; ++c) dx[c] = p.scale * y[c] * (dy[c] - dot);
+    } else {
+      A* o = dybuf.data();  // dy is not needed any more: the row of dx in A, rounded once
+      for (; c + W <= N; c += W) (sv * V::load(y + c) * (V::load(dy + c) - dv)).store(o + c);
+      for (; c < N; ++c) o[c] = p.scale * y[c] * (dy[c] - dot);
+      cpu::convert_from_acc(o, dx, N);
+    }
+  }
+}
+
+template <class T>
+FASTATTN_TARGET_AVX512 void fwd_avx512(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
+  softmax_fwd_rows<T, Vec<acc_t<T>, 64 / sizeof(acc_t<T>)>>(p, r0, r1);
+}
+template <class T>
+FASTATTN_TARGET_AVX2 void fwd_avx2(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
+  softmax_fwd_rows<T, Vec<acc_t<T>, 32 / sizeof(acc_t<T>)>>(p, r0, r1);
+}
+template <class T>
+void fwd_default(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
+  softmax_fwd_rows<T, Vec<acc_t<T>, 16 / sizeof(acc_t<T>)>>(p, r0, r1);
+}
+template <class T>
+FASTATTN_TARGET_AVX512 void bwd_avx512(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
+  softmax_bwd_rows<T, Vec<acc_t<T>, 64 / sizeof(acc_t<T>)>>(p, r0, r1);
+}
+template <class T>
+FASTATTN_TARGET_AVX2 void bwd_avx2(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
+  softmax_bwd_rows<T, Vec<acc_t<T>, 32 / sizeof(acc_t<T>)>>(p, r0, r1);
+}
+template <class T>
+void bwd_default(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
+  softmax_bwd_rows<T, Vec<acc_t<T>, 16 / sizeof(acc_t<T>)>>(p, r0, r1);
+}
+
+int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
+
+void check_x4(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (L0, L1, Lq, Lk), got shape ", t.sizes());
+  check_float_dtype(t, name, /*allow_double=*/true);
+  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1 || t.numel() == 0, name,
+              " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
+              t.strides());
+}
+
+Rows4 rows_of(const at::Tensor& t) {
+  return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+at::Tensor softmax_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale,
+                           bool is_causal) {
+  check_x4(x, "x");
+  const cpu::MaskView mview = cpu::make_mask_view(mask, x.sizes(), x, "x");
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows = x.size(0) * x.size(1) * x.size(2), n = x.size(3);
+  if (rows == 0 || n == 0) return y;
+  FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "softmax_fwd_cpu", [&] {
+    const FwdArgs<scalar_t> p{x.const_data_ptr<scalar_t>(), rows_of(x), mview,
+                              static_cast<acc_t<scalar_t>>(scale), is_causal,
+                              y.data_ptr<scalar_t>()};
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+      switch (cpu::cpu_isa()) {
+        case cpu::Isa::kAvx512: return fwd_avx512<scalar_t>(p, r0, r1);
+        case cpu::Isa::kAvx2: return fwd_avx2<scalar_t>(p, r0, r1);
+        default: return fwd_default<scalar_t>(p, r0, r1);
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor softmax_bwd_cpu(const at::Tensor& dy, const at::Tensor& y, double scale) {
+  check_x4(y, "y");
+  check_x4(dy, "dy");
+  check_device(dy, y, "dy", "y");
+  check_shape(dy, y.sizes(), "dy");
+  check_dtype(dy, y.scalar_type(), "dy");
+  at::Tensor dx = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows = y.size(0) * y.size(1) * y.size(2), n = y.size(3);
+  if (rows == 0 || n == 0) return dx;
+  FASTATTN_DISPATCH_FLOATING_HALF_BF16(y.scalar_type(), "softmax_bwd_cpu", [&] {
+    const BwdArgs<scalar_t> p{dy.const_data_ptr<scalar_t>(), rows_of(dy),
+                              y.const_data_ptr<scalar_t>(), rows_of(y),
+                              static_cast<acc_t<scalar_t>>(scale), dx.data_ptr<scalar_t>()};
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+      switch (cpu::cpu_isa()) {
+        case cpu::Isa::kAvx512: return bwd_avx512<scalar_t>(p, r0, r1);
+        case cpu::Isa::kAvx2: return bwd_avx2<scalar_t>(p, r0, r1);
+        default: return bwd_default<scalar_t>(p, r0, r1);
+      }
+    });
+  });
+  return dx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("softmax_fwd", &softmax_fwd_cpu);
+  m.impl("softmax_bwd", &softmax_bwd_cpu);
+}
+
+}  // namespace fastattn
