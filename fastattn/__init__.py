@@ -4,7 +4,6 @@ Each op runs on one of several interchangeable backends (``triton``, ``cuda``, `
 see :mod:`fastattn.backends` for how one is chosen.
 """
 
-from fastattn import _extension
 from fastattn.backends import (
     available_backends,
     backend_status,

@@ -42,6 +42,27 @@ def _poison():
         yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes: one thread is fastest, and immune to oversubscription on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def registered_ops(op):
+    """pytest params (op overload, device) for the registered compiled ops of ``op``: the C++
+    ``fastattn::<op>_fwd`` when the cpu backend has it, and the Triton ``triton_<op>_fwd``."""
+    triton_device = "cuda" if GPU else "cpu"
+    params = []
+    for name, device, backend in ((f"{op}_fwd", "cpu", "cpu"), (f"triton_{op}_fwd", triton_device, "triton")):
+        overload = getattr(torch.ops.fastattn, name, None)
+        if overload is not None and backend in backends.implementations(op):
+            params.append(pytest.param(overload.default, device, id=name))
+    return params
+
+
 def backend_params(op):
     """pytest params (backend, device) for every built-in backend, skipped where it cannot run."""
     status = fastattn.backend_status()

@@ -6,7 +6,6 @@ Shapes stay tiny: on a CPU-only machine the triton backend runs under the Triton
 import math
 import zlib
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params
+from conftest import backend_params, registered_ops
 
 BACKENDS = backend_params("attention")
 
@@ -197,16 +196,7 @@ def test_head_dim_limit(backend, device):
         fastattn.attention(q, q, q, backend=backend)
 
 
-def _registered_ops():
-    ops = []
-    for name, device in (("attention_fwd", "cpu"), ("triton_attention_fwd", "cuda" if torch.cuda.is_available() else "cpu")):
-        op = getattr(torch.ops.fastattn, name, None)
-        if op is not None and (name.startswith("triton") or "cpu" in fastattn.backends.implementations("attention")):
-            ops.append(pytest.param(op.default, device, id=name))
-    return ops
-
-
-@pytest.mark.parametrize("op,device", _registered_ops())
+@pytest.mark.parametrize("op,device", registered_ops("attention"))
 @pytest.mark.parametrize("mask_kind", [None, "bias"])
 def test_opcheck(op, device, mask_kind):
     g = torch.Generator().manual_seed(5)

@@ -8,13 +8,7 @@ import torch
 from fastattn.models import demo
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one thread is fastest, and immune to oversubscription on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_demo_runs_and_learns(tmp_path, capsys):

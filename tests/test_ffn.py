@@ -9,7 +9,7 @@ from fastattn import reference
 from fastattn.ops.ffn import ACTIVATIONS, GATED, activate
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params
+from conftest import backend_params, registered_ops
 
 BACKENDS = backend_params("ffn")
 
@@ -83,16 +83,7 @@ def test_bad_input_errors(backend, device):
         fastattn.ffn(x.double(), w1, None, w2, None, backend=backend)
 
 
-def _registered_ops():
-    ops = []
-    for name, device in (("ffn_fwd", "cpu"), ("triton_ffn_fwd", "cuda" if torch.cuda.is_available() else "cpu")):
-        op = getattr(torch.ops.fastattn, name, None)
-        if op is not None and (name.startswith("triton") or "cpu" in fastattn.backends.implementations("ffn")):
-            ops.append(pytest.param(op.default, device, id=name))
-    return ops
-
-
-@pytest.mark.parametrize("op,device", _registered_ops())
+@pytest.mark.parametrize("op,device", registered_ops("ffn"))
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_opcheck(op, device, activation):
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params
+from conftest import backend_params, registered_ops
 
 BACKENDS = backend_params("layer_norm")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -179,20 +179,10 @@ def test_bad_input_errors(backend, device):
         fastattn.add_layer_norm(x, x, (8,), None, torch.ones(8, device=device), rms=True, backend=backend)
 
 
-def _registered_ops():
-    ops = []
-    for name in ("layer_norm_fwd", "triton_layer_norm_fwd"):
-        if hasattr(torch.ops.fastattn, name):
-            ops.append(pytest.param(getattr(torch.ops.fastattn, name).default, id=name))
-    return ops
-
-
-@pytest.mark.parametrize("op", _registered_ops())
+@pytest.mark.parametrize("op,device", registered_ops("layer_norm"))
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("rms", [False, True])
-def test_opcheck(op, residual, rms):
-    device = torch.device("cpu") if op.name().startswith("fastattn::layer_norm") else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+def test_opcheck(op, device, residual, rms):
     x = torch.randn(5, 33, device=device, requires_grad=True)
     r = torch.randn(5, 33, device=device, requires_grad=True) if residual else None
     w = torch.randn(33, device=device, requires_grad=True)

@@ -23,13 +23,7 @@ TCONF = TransformerConfig(
 GCONF = GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one thread is fastest, and immune to oversubscription on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tokens(shape, vocab, seed=0, low=1):

@@ -17,13 +17,7 @@ SOFTMAX_BACKENDS = backend_params("softmax")
 FFN_BACKENDS = backend_params("ffn")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one thread is fastest, and immune to oversubscription on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed=0):

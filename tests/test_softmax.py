@@ -1,6 +1,5 @@
 """fastattn.scaled_masked_softmax on every backend, against the float64 reference."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -8,7 +7,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params
+from conftest import backend_params, registered_ops
 
 BACKENDS = backend_params("softmax")
 
@@ -93,16 +92,7 @@ def test_bad_input_errors(backend, device):
         fastattn.scaled_masked_softmax(x[0, 0], is_causal=True, backend=backend)
 
 
-def _registered_ops():
-    ops = []
-    for name, device in (("softmax_fwd", "cpu"), ("triton_softmax_fwd", "cuda" if torch.cuda.is_available() else "cpu")):
-        op = getattr(torch.ops.fastattn, name, None)
-        if op is not None and (name.startswith("triton") or "cpu" in fastattn.backends.implementations("softmax")):
-            ops.append(pytest.param(op.default, device, id=name))
-    return ops
-
-
-@pytest.mark.parametrize("op,device", _registered_ops())
+@pytest.mark.parametrize("op,device", registered_ops("softmax"))
 def test_opcheck(op, device):
     x = torch.randn(2, 3, 4, 9, device=device, requires_grad=True)
     bias = torch.randn(3, 4, 9, device=device, requires_grad=True).expand(2, 3, 4, 9)
