@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Everything a session with a lent GPU does, in one call from the repository root:
-#   bash bench/gpu_session.sh [build] [test] [sanitize] [bench]      (default: all four)
-# Results go to $OUT (the device tool's folder) or bench/results/gpu-<date>/ and are meant to
-# be committed under bench/results/ with the device, versions and date they carry.
+#   bash bench/gpu_session.sh [build] [test] [sanitize] [bench] [bench-pointer]
+# (default: all five). Results go to bench/results/gpu-<date>/ and are meant to be committed
+# under bench/results/ with the device, versions and date they carry; with $OUT set (the device
+# tool's folder, which returns at most 8 files) they also go there as one gpu-session.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-steps=${*:-build test sanitize bench}
+steps=${*:-build test sanitize bench bench-pointer}
 stamp=$(date -u +%Y%m%d-%H%M)
-out=${OUT:-bench/results/gpu-$stamp}
+out=bench/results/gpu-$stamp
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 status=0
@@ -37,8 +38,15 @@ for step in $steps; do
       fi ;;
     bench)
       run bench fastattn bench --json "$out/bench.json" --plot "$out/bench.png" ;;
+    bench-pointer)  # the Triton attention without TMA descriptors / warp specialization
+      run bench-pointer env FASTATTN_TRITON_TMA=0 fastattn bench --op attention \
+        --providers fastattn-triton,sdpa --json "$out/bench-pointer.json" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
 echo "results in $out"
+if [ -n "${OUT:-}" ]; then
+  tar -czf "$OUT/gpu-session.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+  echo "packed into \$OUT/gpu-session.tgz"
+fi
 exit $status

@@ -380,6 +380,10 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
+    else:
+        from fastattn.kernels.attention import tma_status
+
+        env["triton_attention"] = tma_status()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(device=props.name, cuda=torch.version.cuda, sms=props.multi_processor_count)

@@ -23,6 +23,13 @@ def _info() -> int:
     if _extension.loaded():
         cuda = torch._C._dispatch_has_kernel_for_dispatch_key("fastattn::layer_norm_fwd", "CUDA")
         print(f"             built with CUDA kernels: {cuda}")
+    if "triton_attention" in env:
+        t = env["triton_attention"]
+        path = "tensor descriptors (TMA)" if t["default_path"] == "tma" else "pointer loads"
+        print(f"  triton attention: {path}; FASTATTN_TRITON_TMA={t['mode']}, Triton has "
+              f"descriptors: {t['descriptors']}, warp specialization: {t['warp_specialize']}")
+        for feature, why in t["disabled"].items():
+            print(f"    {feature} switched off: {why}")
     print("  backends")
     for name, reason in fastattn.backend_status().items():
         print(f"    {name:8s} {'available' if reason is None else 'unavailable: ' + reason}")

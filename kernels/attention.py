@@ -31,8 +31,18 @@ visited, and tiles fully inside it (no padding keys, nor padding queries where t
 without band or bounds arithmetic. A mask tensor, when given, is read through its four strides
 (stride 0 on broadcast dimensions) in every tile.
 
-Block sizes, warps and stages are autotuned on GPU (keys: Lq, Lk, head dims, dtypes, mask, band
-and dropout flags); under TRITON_INTERPRET a single 16 x 16 config is used.
+Block sizes, warps and stages are autotuned on GPU (keys: Lq, Lk, head dims, dtypes, mask, band,
+dropout and descriptor flags); under TRITON_INTERPRET a single 16 x 16 config is used.
+
+Hopper path (USE_TMA): the q/k/v/dO row tiles are read through tensor descriptors built in the
+kernel over each (batch, head) slice, so Triton issues TMA bulk copies, and rows or columns past
+the slice read as zero without masks. Taken by default on compute capability >= 9 when the
+installed Triton has ``tl.make_tensor_descriptor`` and the tensors are 16-byte aligned (base
+and row strides), never while torch.compile traces (FASTATTN_TRITON_TMA / ``TMA``: auto, 1, 0).
+On it, the forward also autotunes warp-specialized variants of its interior key loop
+(``tl.range(warp_specialize=True)``, Triton >= 3.4) when there is no mask tensor and no dropout.
+Should Triton fail to build either feature on this GPU, it is switched off for the process
+(logged at debug level, reported by :func:`tma_status`) and the pointer kernels run instead.
 
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
 IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
@@ -40,10 +50,12 @@ float32 (natural log). Fully masked rows give O = 0, lse = -inf and zero gradien
 
 Limits: q/k/v in float16, bfloat16 or float32 with a unit stride on the last dimension (copied
 otherwise); head dims up to 256 (padded to a power of two >= 16 with masked loads); offsets
-within one (batch, head) slice must fit in int32. No Hopper TMA (tensor-descriptor) path: the
-pointer-based kernels run on every GPU that Triton supports.
+within one (batch, head) slice must fit in int32. The pointer kernels run on every GPU that
+Triton supports; the descriptor path has been checked under the interpreter only so far.
 """
 
+import inspect
+import logging
 import math
 import operator
 import os
@@ -51,6 +63,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from .rng import dropout_keep
 
@@ -62,19 +75,27 @@ _MAX_HEAD_DIM = 256
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in (
     "1", "true", "yes", "on", "y")
+_HAS_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor")
+_HAS_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 # Triton's CPU interpreter multiplies the raw uint16 bits of bfloat16 dot operands
 # (triton-lang/triton#11584), so under it those operands are widened to float32 first (exact).
 _WIDEN_BF16_DOTS = tl.constexpr(_INTERPRET)
 
 
-def _configs(gpu_shapes, interpret_shape):
+def _configs(gpu_shapes, interpret_shape, ws_shapes=None):
     """Autotuning configs: one small fixed config under the interpreter, else ``gpu_shapes``
-    as ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``."""
+    as ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. With ``ws_shapes`` (a list, maybe empty)
+    every config also sets WARP_SPECIALIZE: False for ``gpu_shapes``, True for ``ws_shapes``."""
     if _INTERPRET:
-        gpu_shapes = [interpret_shape]
+        gpu_shapes, ws_shapes = [interpret_shape], ([] if ws_shapes is not None else None)
+    variants = [(shape, False) for shape in gpu_shapes]
+    if ws_shapes is not None:
+        variants += [(shape, True) for shape in ws_shapes]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in gpu_shapes
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn,
+                       **({"WARP_SPECIALIZE": ws} if ws_shapes is not None else {})},
+                      num_warps=w, num_stages=s)
+        for (bm, bn, w, s), ws in variants
     ]
 
 
@@ -85,6 +106,7 @@ _FWD_CONFIGS = _configs(
         (16, 128, 4, 3), (32, 32, 4, 1), (16, 32, 4, 1),
     ],
     (16, 16, 4, 1),
+    ws_shapes=[(128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 2)] if _HAS_WARP_SPECIALIZE else [],
 )
 _DKDV_CONFIGS = _configs(
     [
@@ -107,16 +129,22 @@ _BAND_KEYS = ["HEAD_DIM", "HEAD_DIM_V", "HAS_MASK", "LO_BOUNDED", "HI_BOUNDED", 
 
 def _prune(configs, named_args, **kwargs):
     """Drop query tiles much taller than Lq (decoding); for head dims > 128 keep only tiles of at
-    most 64 x 64, else drop the single-stage fallbacks meant for them. Never returns nothing."""
+    most 64 x 64, else drop the single-stage fallbacks meant for them. Warp-specialized configs
+    stay only on the descriptor path, without a mask tensor or dropout (the plain loop that
+    Triton's automatic warp specialization handles), where :func:`_warp_specialize_ok`.
+    Never returns nothing."""
     args = {**named_args, **kwargs}
     rows = max(16, triton.next_power_of_2(int(args["Lq"])))
     wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
+    ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
+             and _warp_specialize_ok())
+    plain = [c for c in configs if not c.kwargs.get("WARP_SPECIALIZE", False)]
     kept = [
-        c for c in configs
+        c for c in (configs if ws_ok else plain)
         if c.kwargs["BLOCK_M"] <= rows
         and (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 if wide else c.num_stages > 1)
     ]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return kept or [min(plain, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +168,32 @@ def _load_rows(base, offs_r, stride_r, offs_d, n_rows, DIM: tl.constexpr, BLOCK_
             tile = tl.load(ptrs)
         else:
             tile = tl.load(ptrs, mask=offs_d[None, :] < DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _rows_source(base, n_rows, stride_r, DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where :func:`_load_tile` reads [BLOCK_R, BLOCK_D] row tiles of one (batch, head) slice
+    ``base[r * stride_r + d]`` (r < n_rows, d < DIM) from: a tensor descriptor over the slice
+    when USE_TMA (loads become TMA copies on Hopper; rows and columns past the slice read as
+    zero), else the base pointer itself."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, DIM], strides=[stride_r, 1],
+                                         block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        return base
+
+
+@triton.jit
+def _load_tile(src, r0, offs_r, stride_r, offs_d, n_rows, DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """The row tile starting at row ``r0`` (``offs_r = r0 + arange``) from a
+    :func:`_rows_source`, zero-filled outside the slice."""
+    if USE_TMA:
+        tile = src.load([r0, 0])
+    else:
+        tile = _load_rows(src, offs_r, stride_r, offs_d, n_rows, DIM, BLOCK_D, CHECK_ROWS)
     return tile
 
 
@@ -221,34 +275,66 @@ def _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base,
+def _fwd_tile(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n0,
+              stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+              band_hi, seed, bh, threshold,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+              LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
+              USE_TMA: tl.constexpr):
+    """One online-softmax step over the key tile starting at n0."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k = _load_tile(k_src, n0, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
+    s = _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
+                qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
+                EDGE, False, DOT_PRECISION)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
+        p = tl.where(keep, p, 0.0)
+    v = _load_tile(v_src, n0, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE,
+                   USE_TMA)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base,
                t_begin, t_end, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk,
                qk_scale, band_lo, band_hi, seed, bh, threshold,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
                LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr):
-    for t in range(t_begin, t_end):
-        offs_n = n_base + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE)
-        s = _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
-                    qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
-                    EDGE, False, DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
-            p = tl.where(keep, p, 0.0)
-        v = _load_rows(v_base, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
+               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
+               USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Key tiles ``t_begin <= t < t_end``; WARP_SPECIALIZE asks Triton to split the loop into
+    producer (TMA) and consumer warps (the keyword exists only in Triton >= 3.4, so the plain
+    loop never spells it)."""
+    if WARP_SPECIALIZE:
+        for t in tl.range(t_begin, t_end, warp_specialize=True):
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv,
+                n_base + t * BLOCK_N, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq,
+                Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
+                DOT_PRECISION, BLOCK_N, EDGE, USE_TMA)
+    else:
+        for t in range(t_begin, t_end):
+            acc, m_i, l_i = _fwd_tile(
+                acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv,
+                n_base + t * BLOCK_N, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq,
+                Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
+                DOT_PRECISION, BLOCK_N, EDGE, USE_TMA)
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS],
+@triton.autotune(configs=_FWD_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "USE_TMA"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["seed", "threshold"])
 def _attn_fwd_kernel(
@@ -262,7 +348,8 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -275,31 +362,37 @@ def _attn_fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_base = K + b * stride_k_b + hkv * stride_k_h
-    v_base = V + b * stride_v_b + hkv * stride_v_h
+    k_src = _rows_source(K + b * stride_k_b + hkv * stride_k_h, Lk, stride_k_n, HEAD_DIM,
+                         BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _rows_source(V + b * stride_v_b + hkv * stride_v_h, Lk, stride_v_n, HEAD_DIM_V,
+                         BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
-    q = _load_rows(Q + b * stride_q_b + h * stride_q_h, offs_m, stride_q_m, offs_d, Lq,
-                   HEAD_DIM, BLOCK_D, True)
+    q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM, BLOCK_M,
+                         BLOCK_D, USE_TMA)
+    q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True, USE_TMA)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base, 0, t1,
+        acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, 0, t1,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
         band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True)
+        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, USE_TMA,
+        False)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base, t1, t2,
+        acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t1, t2,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
         band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False)
+        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False, USE_TMA,
+        WARP_SPECIALIZE)
     acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base, t2, num,
+        acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t2, num,
         stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
         band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True)
+        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, USE_TMA,
+        False)
 
     dead = l_i == 0.0
     l_safe = tl.where(dead, 1.0, l_i)
@@ -344,18 +437,20 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+def _dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
                 offs_dv, m_base, t_begin, t_end, stride_q_m, stride_do_m, stride_mask_m,
                 stride_mask_n, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh, threshold,
                 rcp_keep, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr,
                 MASK_BOOL: tl.constexpr, LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                EDGE: tl.constexpr):
+                EDGE: tl.constexpr, USE_TMA: tl.constexpr):
     for t in range(t_begin, t_end):
-        offs_m = m_base + t * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, EDGE)
-        do = _load_rows(do_base, offs_m, stride_do_m, offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, EDGE)
+        m0 = m_base + t * BLOCK_M
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
+        do = _load_tile(do_src, m0, offs_m, stride_do_m, offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, EDGE,
+                        USE_TMA)
         lse = _load_vec(lse_ptr, offs_m, Lq, EDGE)
         delta = _load_vec(delta_ptr, offs_m, Lq, EDGE)
         lse = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
@@ -376,7 +471,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, of
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS],
+@triton.autotune(configs=_DKDV_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "USE_TMA"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["seed", "threshold"])
 def _attn_bwd_dkdv_kernel(
@@ -392,7 +487,8 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(Lk, BLOCK_N)
@@ -405,10 +501,13 @@ def _attn_bwd_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_rows(K + b * stride_k_b + hkv * stride_k_h, offs_n, stride_k_n, offs_d, Lk,
-                   HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + b * stride_v_b + hkv * stride_v_h, offs_n, stride_v_n, offs_dv, Lk,
-                   HEAD_DIM_V, BLOCK_DV, True)
+    k_src = _rows_source(K + b * stride_k_b + hkv * stride_k_h, Lk, stride_k_n, HEAD_DIM,
+                         BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _rows_source(V + b * stride_v_b + hkv * stride_v_h, Lk, stride_v_n, HEAD_DIM_V,
+                         BLOCK_N, BLOCK_DV, USE_TMA)
+    k = _load_tile(k_src, n0, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, True, USE_TMA)
+    v = _load_tile(v_src, n0, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, True,
+                   USE_TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -425,29 +524,31 @@ def _attn_bwd_dkdv_kernel(
     for g in range(0, GROUP):
         h = hkv * GROUP + g
         bh = b * H + h
-        q_base = Q + b * stride_q_b + h * stride_q_h
-        do_base = DOut + b * stride_do_b + h * stride_do_h
+        q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, USE_TMA)
+        do_src = _rows_source(DOut + b * stride_do_b + h * stride_do_h, Lq, stride_do_m,
+                              HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
         lse_ptr = Lse + bh * Lq
         delta_ptr = Delta + bh * Lq
         mask_base = Mask + b * stride_mask_b + h * stride_mask_h
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+            dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
             offs_dv, m_base, 0, t1, stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq,
             Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
-            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True)
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True, USE_TMA)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+            dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
             offs_dv, m_base, t1, t2, stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq,
             Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
-            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, False)
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, False, USE_TMA)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
+            dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
             offs_dv, m_base, t2, num, stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq,
             Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
-            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True)
+            HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True, USE_TMA)
 
     row_ok = offs_n[:, None] < Lk
     dk_ptrs = (DK + b * stride_dk_b + hkv * stride_dk_h
@@ -460,18 +561,20 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d,
+def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m, offs_d,
               offs_dv, n_base, t_begin, t_end, stride_k_n, stride_v_n, stride_mask_m,
               stride_mask_n, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
               LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-              EDGE: tl.constexpr):
+              EDGE: tl.constexpr, USE_TMA: tl.constexpr):
     for t in range(t_begin, t_end):
-        offs_n = n_base + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE)
-        v = _load_rows(v_base, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE)
+        n0 = n_base + t * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_src, n0, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
+        v = _load_tile(v_src, n0, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE,
+                       USE_TMA)
         s = _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
                     qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
                     EDGE, False, DOT_PRECISION)
@@ -499,7 +602,7 @@ def _store_zero_columns(dmask_base, offs_m, n_begin, n_end, Lq, Lk, BLOCK_M: tl.
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < tl.minimum(n_end, Lk)))
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "NEED_DMASK"],
+@triton.autotune(configs=_DQ_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "NEED_DMASK", "USE_TMA"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["seed", "threshold"])
 def _attn_bwd_dq_kernel(
@@ -514,8 +617,8 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -528,14 +631,19 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_base = K + b * stride_k_b + hkv * stride_k_h
-    v_base = V + b * stride_v_b + hkv * stride_v_h
+    k_src = _rows_source(K + b * stride_k_b + hkv * stride_k_h, Lk, stride_k_n, HEAD_DIM,
+                         BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _rows_source(V + b * stride_v_b + hkv * stride_v_h, Lk, stride_v_n, HEAD_DIM_V,
+                         BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
     dmask_base = DMask + bh.to(tl.int64) * Lq * Lk
-    q = _load_rows(Q + b * stride_q_b + h * stride_q_h, offs_m, stride_q_m, offs_d, Lq,
-                   HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DOut + b * stride_do_b + h * stride_do_h, offs_m, stride_do_m, offs_dv, Lq,
-                    HEAD_DIM_V, BLOCK_DV, True)
+    q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM, BLOCK_M,
+                         BLOCK_D, USE_TMA)
+    do_src = _rows_source(DOut + b * stride_do_b + h * stride_do_h, Lq, stride_do_m, HEAD_DIM_V,
+                          BLOCK_M, BLOCK_DV, USE_TMA)
+    q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True, USE_TMA)
+    do = _load_tile(do_src, m0, offs_m, stride_do_m, offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, True,
+                    USE_TMA)
     lse = _load_vec(Lse + bh.to(tl.int64) * Lq, offs_m, Lq, True)
     lse = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
     delta = _load_vec(Delta + bh.to(tl.int64) * Lq, offs_m, Lq, True)
@@ -543,23 +651,23 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
     dq = _dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d, offs_dv,
+        dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m, offs_d, offs_dv,
         n_base, 0, t1, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
         band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
         BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK,
-        DOT_PRECISION, BLOCK_N, True)
+        DOT_PRECISION, BLOCK_N, True, USE_TMA)
     dq = _dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d, offs_dv,
+        dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m, offs_d, offs_dv,
         n_base, t1, t2, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
         band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
         BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK,
-        DOT_PRECISION, BLOCK_N, False)
+        DOT_PRECISION, BLOCK_N, False, USE_TMA)
     dq = _dq_tiles(
-        dq, q, do, lse, delta, k_base, v_base, mask_base, dmask_base, offs_m, offs_d, offs_dv,
+        dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m, offs_d, offs_dv,
         n_base, t2, num, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
         band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
         BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK,
-        DOT_PRECISION, BLOCK_N, True)
+        DOT_PRECISION, BLOCK_N, True, USE_TMA)
     if NEED_DMASK:
         _store_zero_columns(dmask_base, offs_m, 0, n_base, Lq, Lk, BLOCK_M, BLOCK_N)
         _store_zero_columns(dmask_base, offs_m, n_base + num * BLOCK_N, Lk, Lq, Lk, BLOCK_M,
@@ -569,6 +677,117 @@ def _attn_bwd_dq_kernel(
                + offs_m[:, None] * stride_dq_m + offs_d[None, :])
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+
+
+# ---------------------------------------------------------------------------------------------
+# Descriptor (TMA) path and warp specialization: when they are used
+# ---------------------------------------------------------------------------------------------
+
+_log = logging.getLogger(__name__)
+
+#: When the kernels read q/k/v/dO tiles through tensor descriptors (USE_TMA): ``"auto"`` on
+#: Hopper and newer GPUs; ``"1"`` wherever the installed Triton has ``tl.make_tensor_descriptor``
+#: (older GPUs get it lowered to plain loads; the interpreter runs it, which is how the tests
+#: check this path on CPU); ``"0"`` never. Set from FASTATTN_TRITON_TMA at import; assignable.
+TMA = os.environ.get("FASTATTN_TRITON_TMA", "auto")
+
+# Features the installed Triton failed to build on this machine ("warp_specialize", "tma"),
+# with the error; each is tried once per process.
+_disabled = {}
+
+
+def _tma_mode():
+    mode = str(TMA).strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"FASTATTN_TRITON_TMA (kernels.attention.TMA) must be auto, 0 or 1, "
+                         f"got {TMA!r}")
+    return mode
+
+
+def _hopper_or_newer():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _tma_aligned(x):
+    """TMA reads need a 16-byte aligned base, 16-byte multiples as strides of the dimensions
+    that are walked (the row stride always), and a unit stride on the last dimension."""
+    size = x.element_size()
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        return False
+    return all(stride * size % 16 == 0 for d, stride in enumerate(x.stride()[:-1])
+               if d == x.dim() - 2 or x.shape[d] > 1)
+
+
+def _use_tma(*tensors):
+    """Whether a launch on these (B, H, L, D) tensors takes the descriptor path (see TMA).
+    Never while torch.compile traces (the compiled graph launches the pointer kernels)."""
+    mode = _tma_mode()
+    if mode == "0" or not _HAS_DESCRIPTORS or "tma" in _disabled:
+        return False
+    if torch.compiler.is_compiling() or any(is_fake(t) for t in tensors):
+        return False
+    if mode == "auto" and (_INTERPRET or tensors[0].device.type != "cuda"
+                           or not _hopper_or_newer()):
+        return False
+    return all(_tma_aligned(t) for t in tensors)
+
+
+def _warp_specialize_ok():
+    """Warp-specialized forward configs are autotuned only on Hopper and newer, with a Triton
+    whose ``tl.range`` takes ``warp_specialize`` and that has not failed to build them here."""
+    return _HAS_WARP_SPECIALIZE and "warp_specialize" not in _disabled and _hopper_or_newer()
+
+
+def tma_status():
+    """What the descriptor path does on this machine: the mode, whether the installed Triton
+    has descriptors and warp specialization, the path that aligned GPU inputs take
+    (``"tma"`` or ``"pointer"``), and the features switched off after a failure (with why)."""
+    mode = _tma_mode()
+    on = _HAS_DESCRIPTORS and "tma" not in _disabled and (
+        mode == "1" or (mode == "auto" and not _INTERPRET and _hopper_or_newer()))
+    return {
+        "mode": mode,
+        "descriptors": _HAS_DESCRIPTORS,
+        "warp_specialize": _HAS_WARP_SPECIALIZE,
+        "default_path": "tma" if on else "pointer",
+        "disabled": dict(_disabled),
+    }
+
+
+def _scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator():
+    """Device-side descriptors live in global scratch memory that Triton asks its allocator
+    for. Install a torch one unless one is set; the setting is per thread context, and
+    autograd runs backward on a thread of its own, so this runs before every such launch."""
+    from triton.runtime import _allocation
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_scratch)
+
+
+def _launch(kernel, grid, args, consts, tma):
+    """``kernel[grid](*args, **consts)``, on the descriptor path when ``tma``. Should the
+    installed Triton fail to build or run that on this GPU, the feature at fault (warp
+    specialization if it was a candidate, else descriptors) is switched off for the process,
+    logged once at debug level (and shown by :func:`tma_status`), and the launch repeated; the
+    pointer path computes the same result."""
+    while tma and "tma" not in _disabled:
+        if args[0].device.type == "cuda":
+            _ensure_allocator()
+        try:
+            kernel[grid](*args, USE_TMA=True, **consts)
+            return
+        except Exception as exc:  # noqa: BLE001 - any build/launch failure of this path
+            ws_tried = (kernel is _attn_fwd_kernel and _warp_specialize_ok()
+                        and not consts["HAS_MASK"] and not consts["HAS_DROPOUT"])
+            feature = "warp_specialize" if ws_tried else "tma"
+            _disabled[feature] = f"{type(exc).__name__}: {exc}"[:500]
+            _log.debug("triton attention: %s switched off after %s", feature, _disabled[feature])
+    kernel[grid](*args, USE_TMA=False, **consts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,7 +920,7 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
-    _attn_fwd_kernel[grid](
+    args = (
         q, k, v, out, lse, mask_t,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -709,10 +928,13 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
         out.stride(0), out.stride(1), out.stride(2),
         *mask_strides,
         H, H // Hkv, Lq, Lk, scale * _LOG2E.value, band_lo, band_hi, seed32, threshold, rcp_keep,
+    )
+    consts = dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D), BLOCK_DV=_head_block(Dv),
         HAS_MASK=has_mask, MASK_BOOL=mask_bool, LO_BOUNDED=lo_bounded, HI_BOUNDED=hi_bounded,
         HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype),
     )
+    _launch(_attn_fwd_kernel, grid, args, consts, _use_tma(q, k, v))
     return out, lse
 
 
@@ -775,7 +997,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
     def grid_kv(meta):
         return (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)
 
-    _attn_bwd_dkdv_kernel[grid_kv](
+    tma = _use_tma(q, k, v, dout)
+    _launch(_attn_bwd_dkdv_kernel, grid_kv, (
         q, k, v, dout, lse, delta, dk, dv, mask_t,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -785,13 +1008,12 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         dv.stride(0), dv.stride(1), dv.stride(2),
         *mask_strides,
         *scalars,
-        **common,
-    )
+    ), common, tma)
 
     def grid_q(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
-    _attn_bwd_dq_kernel[grid_q](
+    _launch(_attn_bwd_dq_kernel, grid_q, (
         q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask_t,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -800,6 +1022,5 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         dq.stride(0), dq.stride(1), dq.stride(2),
         *mask_strides,
         *scalars,
-        NEED_DMASK=need_dmask, **common,
-    )
+    ), dict(common, NEED_DMASK=need_dmask), tma)
     return dq, dk, dv, dmask

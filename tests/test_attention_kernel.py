@@ -2,6 +2,8 @@
 
 Without a GPU the kernels run under the Triton interpreter on CPU tensors, so shapes are tiny
 (the interpreter tiles are 16 x 16, so 17 and 33 exercise edge, interior and padding tiles).
+The reference cases run twice: on the pointer path and on the tensor-descriptor (TMA) path,
+which the interpreter executes with the same out-of-bounds zero fill as the hardware.
 """
 
 import os
@@ -13,7 +15,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton  # noqa: E402
+
 from fastattn import reference as ref  # noqa: E402
+from fastattn.kernels import attention as attn  # noqa: E402
 from fastattn.kernels.attention import attention_backward, attention_forward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +80,18 @@ def _make_mask(kind, B, H, Lq, Lk, seed=1):
     return base.expand(B, H, Lq, Lk), base, base.dtype != torch.bool
 
 
+@pytest.fixture(params=["pointer", "tma"])
+def path(request, monkeypatch):
+    """Force the pointer path or the descriptor path, and check afterwards that the descriptor
+    path was not switched off by a failure (its fallback would hide a bug)."""
+    if request.param == "tma" and not attn._HAS_DESCRIPTORS:
+        pytest.skip(f"Triton {triton.__version__} has no tl.make_tensor_descriptor")
+    monkeypatch.setattr(attn, "TMA", "1" if request.param == "tma" else "0")
+    monkeypatch.setattr(attn, "_disabled", {})
+    yield request.param
+    assert attn._disabled == {}, f"the descriptor path failed: {attn._disabled}"
+
+
 # id: (B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask, dropout_p, dtype)
 CASES = {
     "plain": (1, 2, 2, 17, 17, 16, 16, False, None, None, 0.0, torch.float32),
@@ -99,6 +116,7 @@ CASES = {
 def _run(B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask_kind, p, dtype, seed=1234, amp=1.0,
          transposed=False):
     q, k, v, dout = _inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, amp=amp, transposed=transposed)
+    assert attn._use_tma(q, k, v, dout) == (attn.TMA == "1"), "inputs meant for the TMA path"
     mask, mask_ref, need_dmask = _make_mask(mask_kind, B, H, Lq, Lk)
     scale = D ** -0.5
     band = ref.structural_band(Lq, Lk, causal, window)
@@ -110,7 +128,7 @@ def _run(B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask_kind, p, dtype, seed=123
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference(case):
+def test_matches_reference(case, path):
     B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask_kind, p, dtype = CASES[case]
     (out, lse), (dq, dk, dv, dmask), ((r_out, r_lse), (r_dq, r_dk, r_dv, r_dmask)), mask = _run(
         *CASES[case], transposed=case == "plain")
@@ -138,7 +156,7 @@ def test_matches_reference(case):
         assert dead.any()
 
 
-def test_huge_logits():
+def test_huge_logits(path):
     """Scores around 1e4: the online softmax must neither overflow nor lose the maximum."""
     (out, lse), grads, ((r_out, r_lse), r_grads), _ = _run(
         1, 2, 1, 17, 33, 16, 16, True, None, None, 0.0, torch.float32, amp=60.0)
@@ -214,3 +232,91 @@ def test_bad_inputs(bad):
     q, k, v, mask, p = make(*_good())
     with pytest.raises(exc, match=msg):
         attention_forward(q, k, v, mask, None, 0, 100, 100, p, 0)
+
+
+def test_tma_path_choice(monkeypatch):
+    """The descriptor path needs 16-byte aligned bases and row strides; "0" turns it off,
+    "auto" keeps it to Hopper-class GPUs, and tracing (fake tensors) never takes it."""
+    monkeypatch.setattr(attn, "_disabled", {})
+    x = torch.zeros(2, 3, 5, 64, dtype=torch.float16, device=DEVICE)
+    odd = torch.zeros(2, 3, 5, 100, dtype=torch.float16, device=DEVICE)  # rows of 200 bytes
+    shifted = torch.zeros(2, 3, 5, 65, dtype=torch.float16, device=DEVICE)[..., 1:]
+    monkeypatch.setattr(attn, "TMA", "1")
+    assert attn._use_tma(x, x) == attn._HAS_DESCRIPTORS
+    assert not attn._use_tma(x, odd) and not attn._use_tma(shifted)
+    assert not attn._use_tma(x.transpose(2, 3))  # last dim not contiguous
+    with torch._subclasses.FakeTensorMode() as mode:
+        assert not attn._use_tma(mode.from_tensor(x))
+    monkeypatch.setattr(attn, "TMA", "0")
+    assert not attn._use_tma(x) and attn.tma_status()["default_path"] == "pointer"
+    monkeypatch.setattr(attn, "TMA", "auto")
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert attn._use_tma(x) == (hopper and attn._HAS_DESCRIPTORS)
+    monkeypatch.setattr(attn, "TMA", "yes")
+    with pytest.raises(ValueError, match="FASTATTN_TRITON_TMA"):
+        attn._use_tma(x)
+
+
+class _FailsOnDescriptors:
+    """A stand-in kernel for the fallback logic: building the descriptor variant fails."""
+
+    def __init__(self):
+        self.launched = []
+
+    def __getitem__(self, grid):
+        def launch(*args, USE_TMA, **consts):
+            if USE_TMA:
+                raise RuntimeError("PassManager::run failed")
+            self.launched.append(USE_TMA)
+        return launch
+
+
+def test_tma_failure_falls_back_once(monkeypatch):
+    monkeypatch.setattr(attn, "_disabled", {})
+    kernel = _FailsOnDescriptors()
+    consts = dict(HAS_MASK=False, HAS_DROPOUT=False)
+    attn._launch(kernel, (1,), (torch.zeros(1),), consts, True)
+    assert kernel.launched == [False] and "PassManager" in attn._disabled["tma"]
+    attn._launch(kernel, (1,), (torch.zeros(1),), consts, True)  # not tried again
+    assert kernel.launched == [False, False] and list(attn._disabled) == ["tma"]
+    assert attn.tma_status()["disabled"] == attn._disabled
+
+
+def test_warp_specialized_configs_only_where_allowed(monkeypatch):
+    configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "WARP_SPECIALIZE": ws},
+                             num_warps=4, num_stages=3) for ws in (False, True)]
+    args = dict(BLOCK_D=64, BLOCK_DV=64, USE_TMA=True, HAS_MASK=False, HAS_DROPOUT=False)
+
+    def kept(ok, **changes):
+        monkeypatch.setattr(attn, "_warp_specialize_ok", lambda: ok)
+        return [c.kwargs["WARP_SPECIALIZE"] for c in attn._prune(configs, {"Lq": 4096},
+                                                                 **{**args, **changes})]
+
+    assert kept(True) == [False, True]
+    assert kept(False) == [False]
+    assert kept(True, USE_TMA=False) == [False]
+    assert kept(True, HAS_MASK=True) == [False]
+    assert kept(True, HAS_DROPOUT=True) == [False]
+
+
+def test_warp_specialized_loop(monkeypatch):
+    """The forward's warp-specialized interior loop (autotuned only on Hopper and newer) gives
+    the reference result; under the interpreter the keyword is accepted and the loop runs as is."""
+    if not (attn._HAS_DESCRIPTORS and attn._HAS_WARP_SPECIALIZE):
+        pytest.skip(f"Triton {triton.__version__} lacks descriptors or warp specialization")
+    if DEVICE == "cuda" and not attn._hopper_or_newer():
+        pytest.skip("warp specialization is only tried on Hopper and newer")
+    monkeypatch.setattr(attn, "TMA", "1")
+    monkeypatch.setattr(attn, "_disabled", {})
+    bm, bn, warps, stages = (16, 16, 4, 1) if DEVICE == "cpu" else (128, 64, 4, 3)
+    config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": True},
+                           num_warps=warps, num_stages=stages)
+    monkeypatch.setattr(attn._attn_fwd_kernel, "configs", [config])
+    L = 40 if DEVICE == "cpu" else 300  # interior tiles and a partial last one
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, k, v, _ = _inputs(1, 2, 2, L, L, 64, 64, dtype)
+    out, lse = attention_forward(q, k, v, None, 0.125, *ref.structural_band(L, L), 0.0, None)
+    want, want_lse = ref.attention(_np(q), _np(k), _np(v), scale=0.125)
+    _assert_close("out", out, want, TOL[dtype])
+    _assert_close("lse", lse, want_lse, max(TOL[dtype], 1e-5))
+    assert attn._disabled == {}, f"the warp-specialized path failed: {attn._disabled}"
