@@ -769,25 +769,24 @@ def _ensure_allocator():
         triton.set_allocator(_scratch)
 
 
-def _launch(kernel, grid, args, consts, tma):
-    """``kernel[grid](*args, **consts)``, on the descriptor path when ``tma``. Should the
-    installed Triton fail to build or run that on this GPU, the feature at fault (warp
-    specialization if it was a candidate, else descriptors) is switched off for the process,
-    logged once at debug level (and shown by :func:`tma_status`), and the launch repeated; the
-    pointer path computes the same result."""
+def _launch(launch, tma, ws_candidate=False):
+    """``launch(use_tma)``, on the descriptor path when ``tma``. Should the installed Triton
+    fail to build or run that on this GPU, the feature at fault (warp specialization when it
+    was a candidate, else descriptors) is switched off for the process, logged once at debug
+    level (and shown by :func:`tma_status`), and the launch repeated; the pointer path computes
+    the same result."""
     while tma and "tma" not in _disabled:
-        if args[0].device.type == "cuda":
+        if torch.cuda.is_available() and not _INTERPRET:
             _ensure_allocator()
         try:
-            kernel[grid](*args, USE_TMA=True, **consts)
+            launch(True)
             return
         except Exception as exc:  # noqa: BLE001 - any build/launch failure of this path
-            ws_tried = (kernel is _attn_fwd_kernel and _warp_specialize_ok()
-                        and not consts["HAS_MASK"] and not consts["HAS_DROPOUT"])
+            ws_tried = ws_candidate and _warp_specialize_ok()
             feature = "warp_specialize" if ws_tried else "tma"
             _disabled[feature] = f"{type(exc).__name__}: {exc}"[:500]
             _log.debug("triton attention: %s switched off after %s", feature, _disabled[feature])
-    kernel[grid](*args, USE_TMA=False, **consts)
+    launch(False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -934,7 +933,9 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
         HAS_MASK=has_mask, MASK_BOOL=mask_bool, LO_BOUNDED=lo_bounded, HI_BOUNDED=hi_bounded,
         HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype),
     )
-    _launch(_attn_fwd_kernel, grid, args, consts, _use_tma(q, k, v))
+    kernel = torch.library.wrap_triton(_attn_fwd_kernel)[grid]
+    _launch(lambda use_tma: kernel(*args, USE_TMA=use_tma, **consts), _use_tma(q, k, v),
+            ws_candidate=not (has_mask or has_dropout))
     return out, lse
 
 
@@ -986,7 +987,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
     scalars = (H, H // Hkv, Lq, Lk, scale, scale * _LOG2E.value, band_lo, band_hi, seed32,
                threshold, rcp_keep)
 
-    _attn_bwd_preprocess_kernel[(triton.cdiv(Lq, _PRE_BLOCK_M) * B * H,)](
+    pre_grid = (triton.cdiv(Lq, _PRE_BLOCK_M) * B * H,)
+    torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[pre_grid](
         out, dout, delta,
         out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
@@ -998,7 +1000,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         return (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)
 
     tma = _use_tma(q, k, v, dout)
-    _launch(_attn_bwd_dkdv_kernel, grid_kv, (
+    dkdv_args = (
         q, k, v, dout, lse, delta, dk, dv, mask_t,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -1008,12 +1010,14 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         dv.stride(0), dv.stride(1), dv.stride(2),
         *mask_strides,
         *scalars,
-    ), common, tma)
+    )
+    dkdv_kernel = torch.library.wrap_triton(_attn_bwd_dkdv_kernel)[grid_kv]
+    _launch(lambda use_tma: dkdv_kernel(*dkdv_args, USE_TMA=use_tma, **common), tma)
 
     def grid_q(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
-    _launch(_attn_bwd_dq_kernel, grid_q, (
+    dq_args = (
         q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask_t,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -1022,5 +1026,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         dq.stride(0), dq.stride(1), dq.stride(2),
         *mask_strides,
         *scalars,
-    ), dict(common, NEED_DMASK=need_dmask), tma)
+    )
+    dq_kernel = torch.library.wrap_triton(_attn_bwd_dq_kernel)[grid_q]
+    _launch(lambda use_tma: dq_kernel(*dq_args, USE_TMA=use_tma, NEED_DMASK=need_dmask, **common),
+            tma)
     return dq, dk, dv, dmask

@@ -257,29 +257,26 @@ def test_tma_path_choice(monkeypatch):
         attn._use_tma(x)
 
 
-class _FailsOnDescriptors:
-    """A stand-in kernel for the fallback logic: building the descriptor variant fails."""
-
-    def __init__(self):
-        self.launched = []
-
-    def __getitem__(self, grid):
-        def launch(*args, USE_TMA, **consts):
-            if USE_TMA:
-                raise RuntimeError("PassManager::run failed")
-            self.launched.append(USE_TMA)
-        return launch
-
-
 def test_tma_failure_falls_back_once(monkeypatch):
+    """A launch whose descriptor variant fails to build switches that feature off (warp
+    specialization first when it was a candidate) and repeats on the path left."""
     monkeypatch.setattr(attn, "_disabled", {})
-    kernel = _FailsOnDescriptors()
-    consts = dict(HAS_MASK=False, HAS_DROPOUT=False)
-    attn._launch(kernel, (1,), (torch.zeros(1),), consts, True)
-    assert kernel.launched == [False] and "PassManager" in attn._disabled["tma"]
-    attn._launch(kernel, (1,), (torch.zeros(1),), consts, True)  # not tried again
-    assert kernel.launched == [False, False] and list(attn._disabled) == ["tma"]
+    monkeypatch.setattr(attn, "_warp_specialize_ok",
+                        lambda: "warp_specialize" not in attn._disabled)
+    launched = []
+
+    def launch(use_tma):
+        if use_tma:
+            raise RuntimeError("PassManager::run failed")
+        launched.append(use_tma)
+
+    attn._launch(launch, True, ws_candidate=True)
+    assert launched == [False] and list(attn._disabled) == ["warp_specialize", "tma"]
+    assert "PassManager" in attn._disabled["tma"]
+    attn._launch(launch, True)  # not tried again
+    assert launched == [False, False]
     assert attn.tma_status()["disabled"] == attn._disabled
+    assert attn.tma_status()["default_path"] == "pointer"
 
 
 def test_warp_specialized_configs_only_where_allowed(monkeypatch):
