@@ -116,7 +116,8 @@ def op_table(op: str, results: list[Result]) -> list[str]:
 
 def summarize_file(path: str) -> list[str]:
     results, env = load_json(path)
-    name = os.path.basename(path)
+    inside = os.path.abspath(path).startswith(RESULTS + os.sep)
+    name = os.path.relpath(path, RESULTS) if inside else os.path.basename(path)
     peaks = env.get("peaks") or {}
     if "copy_gbps" in peaks:  # files written before peaks were keyed by dtype
         peaks = {"": peaks}
@@ -149,12 +150,19 @@ def summarize_file(path: str) -> list[str]:
     return lines
 
 
+def newest_first(paths: list[str]) -> list[str]:
+    """Result files by the date they record (a GPU session's folder holds several), newest first."""
+    return sorted(paths, key=lambda path: (load_json(path)[1].get("date") or "", path), reverse=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="*", help="result JSON files (default: bench/results/*.json)")
+    parser.add_argument("files", nargs="*",
+                        help="result JSON files (default: bench/results/*.json and */*.json)")
     parser.add_argument("-o", "--output", default=os.path.join(RESULTS, "SUMMARY.md"))
     args = parser.parse_args(argv)
-    files = args.files or sorted(glob.glob(os.path.join(RESULTS, "*.json")), reverse=True)
+    files = args.files or newest_first(
+        glob.glob(os.path.join(RESULTS, "*.json")) + glob.glob(os.path.join(RESULTS, "*", "*.json")))
     if not files:
         print("summarize: no result files", file=sys.stderr)
         return 1
