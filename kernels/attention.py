@@ -718,16 +718,20 @@ def _tma_aligned(x):
                if d == x.dim() - 2 or x.shape[d] > 1)
 
 
-def _use_tma(*tensors):
-    """Whether a launch on these (B, H, L, D) tensors takes the descriptor path (see TMA).
-    Never while torch.compile traces (the compiled graph launches the pointer kernels)."""
+def _tma_for(device_type):
+    """Whether aligned tensors on this kind of device take the descriptor path (see TMA)."""
     mode = _tma_mode()
     if mode == "0" or not _HAS_DESCRIPTORS or "tma" in _disabled:
         return False
-    if torch.compiler.is_compiling() or any(is_fake(t) for t in tensors):
+    return mode == "1" or (device_type == "cuda" and not _INTERPRET and _hopper_or_newer())
+
+
+def _use_tma(*tensors):
+    """Whether a launch on these (B, H, L, D) tensors takes the descriptor path. Never while
+    torch.compile traces (the compiled graph launches the pointer kernels)."""
+    if not _tma_for(tensors[0].device.type):
         return False
-    if mode == "auto" and (_INTERPRET or tensors[0].device.type != "cuda"
-                           or not _hopper_or_newer()):
+    if torch.compiler.is_compiling() or any(is_fake(t) for t in tensors):
         return False
     return all(_tma_aligned(t) for t in tensors)
 
@@ -742,14 +746,11 @@ def tma_status():
     """What the descriptor path does on this machine: the mode, whether the installed Triton
     has descriptors and warp specialization, the path that aligned GPU inputs take
     (``"tma"`` or ``"pointer"``), and the features switched off after a failure (with why)."""
-    mode = _tma_mode()
-    on = _HAS_DESCRIPTORS and "tma" not in _disabled and (
-        mode == "1" or (mode == "auto" and not _INTERPRET and _hopper_or_newer()))
     return {
-        "mode": mode,
+        "mode": _tma_mode(),
         "descriptors": _HAS_DESCRIPTORS,
         "warp_specialize": _HAS_WARP_SPECIALIZE,
-        "default_path": "tma" if on else "pointer",
+        "default_path": "tma" if _tma_for("cuda") else "pointer",
         "disabled": dict(_disabled),
     }
 
