@@ -2,7 +2,7 @@
 
 One module per op, each holding @triton.jit kernels and their launchers (tensors in, tensors out,
 no autograd): ``layer_norm``, ``softmax``, ``attention``, ``ffn``, ``rope``; ``rng`` is the counter-based
-dropout RNG they share (docs/numerics.md).
+dropout RNG they share (docs/numerics.md), ``tuning`` the autotuning switch (FASTATTN_AUTOTUNE).
 """
 
 if __name__ != "fastattn.kernels":

@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
+from . import tuning
 from .rng import dropout_keep
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -132,7 +133,7 @@ def _prune(configs, named_args, **kwargs):
     most 64 x 64, else drop the single-stage fallbacks meant for them. Warp-specialized configs
     stay only on the descriptor path, without a mask tensor or dropout (the plain loop that
     Triton's automatic warp specialization handles), where :func:`_warp_specialize_ok`.
-    Never returns nothing."""
+    Never returns nothing; only the first config when autotuning is off (kernels.tuning)."""
     args = {**named_args, **kwargs}
     rows = max(16, triton.next_power_of_2(int(args["Lq"])))
     wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
@@ -144,7 +145,8 @@ def _prune(configs, named_args, **kwargs):
         if c.kwargs["BLOCK_M"] <= rows
         and (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 if wide else c.num_stages > 1)
     ]
-    return kept or [min(plain, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return tuning.limit(
+        kept or [min(plain, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
+
 __all__ = ["ffn_fwd", "ffn_bwd", "ACTIVATIONS", "GATED_ACTIVATIONS"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
@@ -105,14 +107,16 @@ def _prune_configs(configs, named_args, **kwargs):
     """Drop tiles whose activation epilogue would spill registers (checked with ptxas, sm_90).
 
     Plain products keep every config; an activation epilogue keeps <= 64 accumulator values per
-    thread, the gated activation-gradient epilogue (two pre tiles, three outputs) <= 32.
+    thread, the gated activation-gradient epilogue (two pre tiles, three outputs) <= 32. Only
+    the first kept config when autotuning is off (kernels.tuning).
     """
     args = {**named_args, **kwargs}
     if args["ACTIVATION"] == _IDENTITY.value:
-        return configs
+        return tuning.limit(configs)
     per_thread = 32 if args["GATED"] and args["ACT_GRAD"] else 64
-    return [c for c in configs
+    fits = [c for c in configs
             if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= per_thread * 32 * c.num_warps]
+    return tuning.limit(fits)
 
 
 @triton.jit

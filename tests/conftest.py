@@ -15,6 +15,10 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     # Must be set before triton is imported (by fastattn) for the kernels to run on CPU tensors.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # The suite's many small shapes would each autotune every config (a compile apiece): run
+    # the first config the pruners keep instead. Benchmarks tune fully.
+    os.environ.setdefault("FASTATTN_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

@@ -317,3 +317,15 @@ def test_warp_specialized_loop(monkeypatch):
     _assert_close("out", out, want, TOL[dtype])
     _assert_close("lse", lse, want_lse, max(TOL[dtype], 1e-5))
     assert attn._disabled == {}, f"the warp-specialized path failed: {attn._disabled}"
+
+
+def test_autotune_off_keeps_the_first_pruned_config(monkeypatch):
+    """FASTATTN_AUTOTUNE=0 (the GPU test suite's setting): one config, the first one kept."""
+    from fastattn.kernels import tuning
+
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 64}, num_warps=4, num_stages=3)
+               for bm in (128, 64, 32)]
+    args = dict(BLOCK_D=64, BLOCK_DV=64, USE_TMA=False, HAS_MASK=False, HAS_DROPOUT=False)
+    assert len(attn._prune(configs, {"Lq": 40}, **args)) == 2  # 128-row tiles dropped
+    monkeypatch.setattr(tuning, "AUTOTUNE", False)
+    assert [c.kwargs["BLOCK_M"] for c in attn._prune(configs, {"Lq": 40}, **args)] == [64]
