@@ -28,7 +28,7 @@ for step in $steps; do
       run build python3 -m pip install --no-build-isolation --no-deps -e .
       run info fastattn info ;;
     test)
-      run test python3 -m pytest -q -x --junitxml="$out/junit.xml" -p no:cacheprovider ;;
+      run test python3 -m pytest -q --maxfail=25 --durations=15 --junitxml="$out/junit.xml" -p no:cacheprovider ;;
     sanitize)
       if command -v compute-sanitizer >/dev/null; then
         run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_cuda.py
