@@ -712,9 +712,10 @@ def _hopper_or_newer():
 
 def _tma_aligned(x):
     """TMA reads need a 16-byte aligned base, 16-byte multiples as strides of the dimensions
-    that are walked (the row stride always), and a unit stride on the last dimension."""
+    that are walked, a positive row stride (it goes into the descriptor; a broadcast gradient
+    has 0) and a unit stride on the last dimension."""
     size = x.element_size()
-    if x.stride(-1) != 1 or x.data_ptr() % 16:
+    if x.stride(-1) != 1 or x.stride(-2) <= 0 or x.data_ptr() % 16:
         return False
     return all(stride * size % 16 == 0 for d, stride in enumerate(x.stride()[:-1])
                if d == x.dim() - 2 or x.shape[d] > 1)

@@ -245,6 +245,7 @@ def test_tma_path_choice(monkeypatch):
     assert attn._use_tma(x, x) == attn._HAS_DESCRIPTORS
     assert not attn._use_tma(x, odd) and not attn._use_tma(shifted)
     assert not attn._use_tma(x.transpose(2, 3))  # last dim not contiguous
+    assert not attn._use_tma(x, x[:, :, :1].expand(x.shape))  # rows broadcast (stride 0)
     with torch._subclasses.FakeTensorMode() as mode:
         assert not attn._use_tma(mode.from_tensor(x))
     monkeypatch.setattr(attn, "TMA", "0")
