@@ -83,32 +83,28 @@ _HAS_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__)
 _WIDEN_BF16_DOTS = tl.constexpr(_INTERPRET)
 
 
-def _configs(gpu_shapes, interpret_shape, ws_shapes=None):
+def _configs(gpu_shapes, interpret_shape, **extra):
     """Autotuning configs: one small fixed config under the interpreter, else ``gpu_shapes``
-    as ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. With ``ws_shapes`` (a list, maybe empty)
-    every config also sets WARP_SPECIALIZE: False for ``gpu_shapes``, True for ``ws_shapes``."""
+    as ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; ``extra`` constexprs go into each."""
     if _INTERPRET:
-        gpu_shapes, ws_shapes = [interpret_shape], ([] if ws_shapes is not None else None)
-    variants = [(shape, False) for shape in gpu_shapes]
-    if ws_shapes is not None:
-        variants += [(shape, True) for shape in ws_shapes]
+        gpu_shapes = [interpret_shape]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn,
-                       **({"WARP_SPECIALIZE": ws} if ws_shapes is not None else {})},
-                      num_warps=w, num_stages=s)
-        for (bm, bn, w, s), ws in variants
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in gpu_shapes
     ]
 
 
+# Warp-specialized variants exist only on GPUs and where tl.range takes the keyword; _prune
+# keeps them only where they may run.
 _FWD_CONFIGS = _configs(
     [
         (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
         (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3),
         (16, 128, 4, 3), (32, 32, 4, 1), (16, 32, 4, 1),
     ],
-    (16, 16, 4, 1),
-    ws_shapes=[(128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 2)] if _HAS_WARP_SPECIALIZE else [],
-)
+    (16, 16, 4, 1), WARP_SPECIALIZE=False,
+) + (_configs([(128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 2)], None, WARP_SPECIALIZE=True)
+     if _HAS_WARP_SPECIALIZE and not _INTERPRET else [])
 _DKDV_CONFIGS = _configs(
     [
         (32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3),
@@ -259,6 +255,19 @@ def _interior_tiles(base, num, first, last, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _query_block(H, GROUP, Lq, BLOCK_M: tl.constexpr):
+    """The query block of this program (grid: query blocks fastest, then b * H + h): its
+    ``bh = b * H + h``, ``b``, ``h`` and kv head (int64, for offsets) and first row ``m0``."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // num_m
+    m0 = (pid % num_m) * BLOCK_M
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    return bh, b, h, h // GROUP, m0
+
+
+@triton.jit
 def _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles of the query block starting at m0 that intersect the band: the tiles start at
     ``n_base + t * BLOCK_N`` for ``t < num``; ``[t1, t2)`` are fully inside it (all keys valid)."""
@@ -353,13 +362,7 @@ def _attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(Lq, BLOCK_M)
-    bh = pid // num_m
-    m0 = (pid % num_m) * BLOCK_M
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hkv = h // GROUP
+    bh, b, h, hkv, m0 = _query_block(H, GROUP, Lq, BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -423,12 +426,8 @@ def _attn_bwd_preprocess_kernel(
     H, Lq,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(Lq, BLOCK_M)
-    bh = pid // num_m
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h, _, m0 = _query_block(H, 1, Lq, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     o = _load_rows(Out + b * stride_o_b + h * stride_o_h, offs_m, stride_o_m, offs_dv, Lq,
                    HEAD_DIM_V, BLOCK_DV, True)
@@ -622,13 +621,7 @@ def _attn_bwd_dq_kernel(
     NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(Lq, BLOCK_M)
-    bh = pid // num_m
-    m0 = (pid % num_m) * BLOCK_M
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hkv = h // GROUP
+    bh, b, h, hkv, m0 = _query_block(H, GROUP, Lq, BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
