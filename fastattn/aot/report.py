@@ -1,0 +1,162 @@
+"""What a Hopper compile gate reports, and the readers both halves share.
+
+One :class:`Row` per compiled kernel variant (a Triton launch x autotune config, or a CUDA
+``__global__`` instantiation): its resources from ``ptxas -v`` (registers, spill bytes, shared
+memory), the instructions its SASS holds that matter for speed on Hopper, and whether it passed:
+it compiled, and its spills are within the budget stated for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+#: SASS opcodes (prefix match) -> the feature name a row reports.
+SASS_FEATURES = {
+    "HGMMA": "wgmma",       # Hopper warpgroup MMA (sm_90a)
+    "HMMA": "mma",          # warp-level tensor-core MMA (mma.sync)
+    "LDSM": "ldmatrix",
+    "LDGSTS": "cp.async",   # asynchronous global -> shared copy (Ampere)
+    "UTMALDG": "tma",       # bulk tensor copy engine (TMA) load
+    "UBLKCP": "bulk-copy",  # bulk (non-tensor) async copy
+    "USETMAXREG": "setmaxnreg",
+    "LDL": "local-load",
+    "STL": "local-store",
+}
+
+
+@dataclasses.dataclass
+class Row:
+    kernel: str                  # kernel (function) name
+    case: str                    # the launch it stands for: shape, dtype, flags
+    config: str = ""             # block sizes, warps, stages ("" where there is none)
+    regs: int | None = None
+    spill_stores: int = 0        # bytes
+    spill_loads: int = 0         # bytes
+    smem: int = 0                # bytes of shared memory (static + what the launch asks for)
+    features: tuple[str, ...] = ()
+    spill_budget: int = 0        # bytes of spill stores + loads allowed
+    required: tuple[str, ...] = ()   # features the SASS must hold
+    error: str = ""              # compile error, empty when it compiled
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+    @property
+    def problems(self) -> list[str]:
+        if self.error:
+            return [f"compile error: {self.error}"]
+        found = []
+        if self.spills > self.spill_budget:
+            found.append(f"spills {self.spill_stores}/{self.spill_loads} B over the budget "
+                         f"of {self.spill_budget} B")
+        missing = [f for f in self.required if f not in self.features]
+        if missing:
+            found.append(f"SASS lacks {', '.join(missing)}")
+        return found
+
+    @property
+    def status(self) -> str:
+        return "error" if self.error else ("FAIL" if self.problems else "ok")
+
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """``ptxas -v`` output -> {function: {regs, spill_stores, spill_loads, smem}}; the last
+    report of a function wins (nvcc compiles each architecture in turn: filter by arch first)."""
+    out: dict[str, dict[str, int]] = {}
+    func = None
+    for line in log.splitlines():
+        m = _PTXAS_FUNC.search(line)
+        if m:
+            func = m.group(1)
+            out[func] = {"regs": 0, "spill_stores": 0, "spill_loads": 0, "smem": 0}
+            continue
+        if func is None:
+            continue
+        if m := _PTXAS_SPILL.search(line):
+            out[func]["spill_stores"], out[func]["spill_loads"] = int(m[1]), int(m[2])
+        if m := _PTXAS_REGS.search(line):
+            out[func]["regs"] = int(m[1])
+            if m := _PTXAS_SMEM.search(line):
+                out[func]["smem"] = int(m[1])
+    return out
+
+
+def cuobjdump() -> str | None:
+    """A cuobjdump: beside nvcc, else the one the Triton wheel ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else None
+
+
+def sass_of(cubin: bytes | str) -> dict[str, str]:
+    """{function: its SASS text} of a cubin (bytes) or of an object/cubin file (path)."""
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (neither beside nvcc nor in the triton wheel)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = cubin
+        if isinstance(cubin, bytes):
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    funcs: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            current = m.group(1)
+            funcs[current] = []
+        elif current is not None:
+            funcs[current].append(line)
+    return {name: "\n".join(lines) for name, lines in funcs.items()}
+
+
+def sass_features(sass: str) -> tuple[str, ...]:
+    """The :data:`SASS_FEATURES` whose opcodes occur in ``sass``, sorted."""
+    opcodes = set(re.findall(r"/\*[0-9a-f]{3,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+    return tuple(sorted({name for op in opcodes for prefix, name in SASS_FEATURES.items()
+                         if op == prefix or op.startswith(prefix + ".")}))
+
+
+def print_table(rows: list[Row], title: str = "") -> None:
+    """One line per row, then totals."""
+    if title:
+        print(title)
+    header = f"{'kernel':34} {'case':30} {'config':18} {'regs':>4} {'spill st/ld':>12} " \
+             f"{'smem':>7} {'status':6} features / problems"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        spill = f"{r.spill_stores}/{r.spill_loads}"
+        note = ", ".join(r.problems) or " ".join(r.features)
+        print(f"{r.kernel[:34]:34} {r.case[:30]:30} {r.config[:18]:18} "
+              f"{'' if r.regs is None else r.regs:>4} {spill:>12} {r.smem:>7} {r.status:6} {note}")
+    print(summary(rows))
+
+
+def summary(rows: list[Row]) -> str:
+    errors = sum(r.status == "error" for r in rows)
+    failed = sum(r.status == "FAIL" for r in rows)
+    spilled = sum(r.spills > 0 for r in rows if not r.error)
+    return (f"{len(rows)} variants: {len(rows) - errors - failed} ok, {errors} compile errors, "
+            f"{failed} over budget or missing instructions; {spilled} spill at all")
