@@ -142,14 +142,14 @@ def print_table(rows: list[Row], title: str = "") -> None:
     """One line per row, then totals."""
     if title:
         print(title)
-    header = f"{'kernel':34} {'case':30} {'config':18} {'regs':>4} {'spill st/ld':>12} " \
+    header = f"{'kernel':34} {'case':38} {'config':18} {'regs':>4} {'spill st/ld':>12} " \
              f"{'smem':>7} {'status':6} features / problems"
     print(header)
     print("-" * len(header))
     for r in rows:
         spill = f"{r.spill_stores}/{r.spill_loads}"
         note = ", ".join(r.problems) or " ".join(r.features)
-        print(f"{r.kernel[:34]:34} {r.case[:30]:30} {r.config[:18]:18} "
+        print(f"{r.kernel[:34]:34} {r.case[:38]:38} {r.config[:18]:18} "
               f"{'' if r.regs is None else r.regs:>4} {spill:>12} {r.smem:>7} {r.status:6} {note}")
     print(summary(rows))
 
