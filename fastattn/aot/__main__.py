@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda", action="store_true", help="only the CUDA kernels")
     parser.add_argument("--op", help="comma-separated ops (attention, layer_norm, softmax, ffn, rope)")
     parser.add_argument("--kernel", help="comma-separated substrings of kernel names")
+    parser.add_argument("--case", help="comma-separated substrings of case names (e.g. D256,fp32)")
+    parser.add_argument("--first-config", action="store_true",
+                        help="only the first kept config (and WS ones), as the tests run")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--failures-only", action="store_true", help="print only failing rows")
@@ -46,10 +49,13 @@ def main(argv=None) -> int:
 
         def progress(done, total, row):
             if row.status != "ok" or done % 25 == 0 or done == total:
-                print(f"  [{done}/{total}] {row.kernel} {row.case} {row.config}: {row.status}",
+                why = f" ({'; '.join(row.problems)})" if row.problems else ""
+                print(f"  [{done}/{total}] {row.kernel} {row.case} {row.config}: {row.status}{why}",
                       file=sys.stderr, flush=True)
 
-        found = triton_rows(quick=args.quick, ops=ops, kernels=kernels, jobs=args.jobs,
+        found = triton_rows(quick=args.quick, ops=ops, kernels=kernels,
+                            names=args.case.split(",") if args.case else None,
+                            all_configs=False if args.first_config else None, jobs=args.jobs,
                             progress=progress)
         sections.append((f"Triton {triton.__version__} for sm_90 "
                          f"({'quick' if args.quick else 'full'})", found))

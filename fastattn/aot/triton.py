@@ -401,16 +401,19 @@ def compile_variant(launch, config, target=H100):
     return row
 
 
-def triton_rows(quick=False, ops=None, kernels=None, all_configs=None, jobs=None, progress=None):
+def triton_rows(quick=False, ops=None, kernels=None, names=None, all_configs=None, jobs=None,
+                progress=None):
     """Compile the selected cases' launches for the H100 in ``jobs`` processes; one Row each.
-    ``kernels``: only kernels whose names contain one of these. ``all_configs`` defaults to
+    ``kernels``: only kernels whose names contain one of these; ``names``: only cases whose
+    names contain one of these. ``all_configs`` defaults to
     ``not quick`` (quick: the first kept config, as the tests run, and warp-specialized ones)."""
     import concurrent.futures
     import multiprocessing
 
     if all_configs is None:
         all_configs = not quick
-    variants = capture(cases(ops, quick), all_configs=all_configs)
+    selected = [c for c in cases(ops, quick) if not names or any(n in c.name for n in names)]
+    variants = capture(selected, all_configs=all_configs)
     if kernels:
         variants = [(launch, config) for launch, config in variants
                     if any(k in _kernel_name(launch.fn) for k in kernels)]
