@@ -18,8 +18,9 @@ Each call writes ``bench/results/gpu-<date>/<call>/`` (logs, junit XML, bench JS
 ``steps.json`` of statuses and times) and, when ``$OUT`` is set, ``$OUT/<call>.tgz`` plus
 ``$OUT/<call>-summary.txt``. Unpack the tarballs under bench/results/ here and commit them.
 Every call installs the package first and, where it uses the CUDA kernels, builds the extension
-unless it is there (the machine keeps build outputs only while it stays warm, 30 s). ``--smoke OP BACKEND`` is the one-shape check that the
-preflight runs once per kernel, each in its own process, so a fault costs one line.
+unless it is there (the machine keeps build outputs only while it stays warm, 30 s).
+``--smoke OP BACKEND`` is the one-shape check that the first calls run once per kernel, each in
+its own process, so a fault costs one line.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ CALLS: dict[str, list[Step]] = {
                           "; pip list 2>/dev/null | grep -iE 'torch|triton|xdist|timeout'"], 20),
         Step("info", [*_CLI, "info"], 20, _NO_EXT),
         *_smokes("triton"),
-        Step("test-kernels-pointer", _pytest(*KERNEL_TESTS, "-k", "not tma", junit="kernels-pointer",
-                                             timeout=100), 130, {**_NO_EXT, **_BLOCKING}),
+        Step("test-kernels-pointer", _pytest(*KERNEL_TESTS, "-k", "not tma",
+                                             junit="kernels-pointer", timeout=100), 130,
+             {**_NO_EXT, **_BLOCKING}),
         Step("test-kernels-tma", [PY, "bench/gpu_protocol.py", "--isolated", "{out}",
                                   *KERNEL_TESTS, "-k", "tma"], 100, _NO_EXT),
     ],

@@ -112,7 +112,7 @@ _DKDV_CONFIGS = _configs(
     [
         (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3),
         (64, 64, 4, 3), (16, 64, 4, 3), (32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 4, 1),
-        (16, 32, 4, 1),
+        (16, 32, 4, 1), (32, 16, 8, 2),
     ],
     (16, 16, 4, 1),
 )
@@ -129,8 +129,24 @@ _DQ_CONFIGS = _configs(
 # threads. The limits are the largest that compile without spills for sm_90 (fastattn.aot
 # checks every kept config): forward 160 (bf16 D64 128x64 w4 = 160 holds, D128 = 256 spills),
 # dK/dV 136 (D64 32x128 w8 = 136 holds; D64 64x128 w8 = 176 and D128 64x64 w8 = 160 spill),
-# dQ 160 (D128 128x64 w8 = 192 spills on the pointer path).
+# dQ 160 (D128 128x64 w8 = 192 spills on the pointer path). The pointer path at head dims > 128
+# also holds 256-wide pointer tensors: there a budget is POINTER_WIDE of that (D256 forward
+# 64x64 w8 = 112, dK/dV 32x32 w8 = 136 and dQ 64x64 w8 = 160 spilled 4-104 B).
 _VALUES_PER_THREAD = {"fwd": 160, "dkdv": 136, "dq": 160}
+_POINTER_WIDE = 0.65
+# Shared memory a block may have on sm_90 (227 KiB): the streamed tiles times num_stages plus the
+# resident ones (bf16 D256 dQ 64x64 with 3 stages asked 257 KiB and cannot launch).
+_SHARED_BYTES = 227 * 1024
+
+
+def _shared_bytes(kernel, bm, bn, block_d, block_dv, elem_bytes, stages):
+    """Shared memory of one program: the key/value (dK/dV: query/dO) tiles of every pipeline
+    stage, and the tiles that stay (forward: q; dQ: q and dO; dK/dV: k and v)."""
+    width = (block_d + block_dv) * elem_bytes
+    if kernel == "dkdv":
+        return stages * bm * width + bn * width
+    resident = block_d if kernel == "fwd" else block_d + block_dv
+    return stages * bn * width + bm * resident * elem_bytes
 
 
 def _live_values(kernel, bm, bn, block_d, block_dv, elem_bytes, warps):
@@ -154,10 +170,12 @@ def _plain_copy(config):
 def _prune(configs, named_args, kernel, **kwargs):
     """Configs of ``kernel`` ("fwd", "dkdv", "dq") worth timing for this launch: query tiles not
     much taller than Lq (decoding), live values per thread within the kernel's register budget
-    (:data:`_VALUES_PER_THREAD`; no spills), more than one stage unless the head dim is > 128.
+    (:data:`_VALUES_PER_THREAD`, less on the pointer path at head dims > 128; no spills), tiles
+    within the shared memory of a block, more than one stage unless the head dim is > 128.
     Warp-specialized configs (Triton places their registers itself; fastattn.aot checks them)
-    stay only on the descriptor path, without a mask tensor or dropout (the plain loop that
-    Triton's automatic warp specialization handles), where :func:`_warp_specialize_ok`.
+    stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
+    specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
+    specialization handles), where :func:`_warp_specialize_ok`.
     Never returns nothing (the config with the fewest live values); only the first config when
     autotuning is off (kernels.tuning)."""
     args = {**named_args, **kwargs}
@@ -165,16 +183,21 @@ def _prune(configs, named_args, kernel, **kwargs):
     wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
     elem_bytes = args["Q"].element_size()
     ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
-             and _warp_specialize_ok())
+             and elem_bytes == 2 and _warp_specialize_ok())
 
     def live(c):
         return _live_values(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
                             args["BLOCK_DV"], elem_bytes, c.num_warps)
 
+    def fits_shared(c):
+        return _shared_bytes(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
+                             args["BLOCK_DV"], elem_bytes, c.num_stages) <= _SHARED_BYTES
+
+    limit = _VALUES_PER_THREAD[kernel] * (_POINTER_WIDE if wide and not args["USE_TMA"] else 1)
     plain = ([c for c in configs if not c.kwargs.get("WARP_SPECIALIZE", False)]
              or [_plain_copy(c) for c in configs])  # WS-only lists run as the plain loop
     kept = [c for c in plain
-            if c.kwargs["BLOCK_M"] <= rows and live(c) <= _VALUES_PER_THREAD[kernel]
+            if c.kwargs["BLOCK_M"] <= rows and live(c) <= limit and fits_shared(c)
             and (wide or c.num_stages > 1)]
     if ws_ok:  # after the plain ones: the first kept config is what runs untuned (the tests)
         kept += [c for c in configs if c.kwargs.get("WARP_SPECIALIZE", False)

@@ -42,8 +42,10 @@ def test_overrunning_step_is_killed_and_results_are_packed_after_each_step(tmp_p
     device_out.mkdir()
     monkeypatch.setenv("OUT", str(device_out))
     steps = [
-        protocol.Step("hangs", [sys.executable, "-c", "import time; print('started'); time.sleep(30)"], 1),
-        protocol.Step("writes", [sys.executable, "-c", "open('{out}/made.txt', 'w').write('x')"], 30),
+        protocol.Step("hangs", [sys.executable, "-c",
+                                "import time; print('started'); time.sleep(30)"], 1),
+        protocol.Step("writes", [sys.executable, "-c",
+                                 "open('{out}/made.txt', 'w').write('x')"], 30),
         protocol.Step("fails", [sys.executable, "-c", "raise SystemExit(3)"], 30),
     ]
     assert protocol.run_call("test", steps, out_dir) == 1
@@ -54,5 +56,6 @@ def test_overrunning_step_is_killed_and_results_are_packed_after_each_step(tmp_p
     assert "started" in (out_dir / "hangs.log").read_text()
     with tarfile.open(device_out / "test.tgz") as tar:
         names = tar.getnames()
-    assert any(n.endswith("made.txt") for n in names) and any(n.endswith("steps.json") for n in names)
+    assert any(n.endswith("made.txt") for n in names)
+    assert any(n.endswith("steps.json") for n in names)
     assert "timeout" in (device_out / "test-summary.txt").read_text()

@@ -21,11 +21,12 @@ import time
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastattn.aot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastattn.aot",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the CI subset")
     parser.add_argument("--triton", action="store_true", help="only the Triton kernels")
     parser.add_argument("--cuda", action="store_true", help="only the CUDA kernels")
-    parser.add_argument("--op", help="comma-separated ops (attention, layer_norm, softmax, ffn, rope)")
+    parser.add_argument("--op", help="comma-separated: attention, layer_norm, softmax, ffn, rope")
     parser.add_argument("--kernel", help="comma-separated substrings of kernel names")
     parser.add_argument("--case", help="comma-separated substrings of case names (e.g. D256,fp32)")
     parser.add_argument("--first-config", action="store_true",

@@ -41,6 +41,7 @@ class Row:
     features: tuple[str, ...] = ()
     spill_budget: int = 0        # bytes of spill stores + loads allowed
     required: tuple[str, ...] = ()   # features the SASS must hold
+    smem_limit: int = 0              # bytes of shared memory a block may have (0: unchecked)
     error: str = ""              # compile error, empty when it compiled
 
     @property
@@ -55,6 +56,9 @@ class Row:
         if self.spills > self.spill_budget:
             found.append(f"spills {self.spill_stores}/{self.spill_loads} B over the budget "
                          f"of {self.spill_budget} B")
+        if self.smem_limit and self.smem > self.smem_limit:
+            found.append(f"shared memory {self.smem} B over the {self.smem_limit} B a block "
+                         f"may have")
         missing = [f for f in self.required if f not in self.features]
         if missing:
             found.append(f"SASS lacks {', '.join(missing)}")
