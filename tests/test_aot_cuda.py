@@ -54,4 +54,5 @@ def test_attention_kernels_must_use_ldmatrix_cp_async_and_mma():
     assert set(rule.required) == {"ldmatrix", "cp.async", "mma"}
     row = Row(kernel="attn_fwd_kernel", case="", features=("mma",), required=rule.required)
     assert row.status == "FAIL" and "ldmatrix" in row.problems[0]
-    assert cuda.rule_for("softmax_fwd_warp_kernel").spill_budget == 0
+    assert cuda.rule_for("rope_kernel").spill_budget == 0
+    assert all(r.reason for r in cuda.KERNEL_RULES if r.spill_budget), "a budget needs a reason"
