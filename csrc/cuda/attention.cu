@@ -51,9 +51,9 @@
 //   * dK/dV: one CTA per (BN keys, b, kv head), BN / 16 warps of 16 keys each. It loops over
 //     the GQA group's query heads and, for each, over the BM-query blocks inside the band,
 //     recomputing S^T = K Q^T and dP^T = V dO^T with mma, P^T = exp2(S^T - lse), dS^T, and
-//     accumulating dV += (P Z)^T dO and dK += dS^T Q. Accumulators are float32 in shared memory
-//     (each element owned by one lane: no races, no atomics; float2 read-modify-writes, conflict
-//     free), so any DP fits without spilling;
+//     accumulating dV += (P Z)^T dO and dK += dS^T Q: in registers for DP <= 128, in float32
+//     shared memory for DP = 256 (each element owned by one lane: no races, no atomics; float2
+//     read-modify-writes, conflict free), so no DP spills;
 //   * dQ: one CTA per (BM queries, b, h), looping over the band's key tiles; dQ += dS K with
 //     shared float32 accumulators. When need_dmask, it writes dS (float32) for every visited
 //     (i, j) of dmask; dmask is zero-initialised, which covers the tiles outside the band.
@@ -256,7 +256,11 @@ struct FwdCfg {
 template <int DP_, int BN_, int BM_>
 struct BwdKVCfg {
   static constexpr int DP = DP_, BN = BN_, BM = BM_, NWARPS = BN / 16, NTHREADS = 32 * NWARPS;
-  static constexpr int K_ELEMS = BN * DP, Q_ELEMS = BM * DP, ACC_ELEMS = BN * AccTile<DP>::LD;
+  // dK / dV accumulate in registers (2 x DP / 2 floats per lane) where they fit beside the
+  // S^T / dP^T tiles: DP <= 128; in float32 shared memory otherwise.
+  static constexpr bool ACC_IN_REGS = DP <= 128;
+  static constexpr int K_ELEMS = BN * DP, Q_ELEMS = BM * DP;
+  static constexpr int ACC_ELEMS = ACC_IN_REGS ? 0 : BN * AccTile<DP>::LD;
   static constexpr int SMEM = (2 * K_ELEMS + 2 * Q_ELEMS) * 2 + (2 * ACC_ELEMS + 2 * BM) * 4;
   static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
   static_assert(SMEM <= kSm80SmemOptin, "dK/dV tile does not fit in sm_80 shared memory");
@@ -274,11 +278,12 @@ struct BwdQCfg {
 
 // THE heuristics table: tile shapes and warps per padded head dim (queries x keys).
 //   DP   forward (BM x BN, warps, Q)      dK/dV (BN keys x BM queries)   dQ (BM x BN)
-//   64   128 x 64, 8 warps, Q in regs     64 x 64, 4 warps               64 x 64, 4 warps
-//   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps               64 x 64, 4 warps
-//   256   64 x 32, 4 warps, Q in smem     32 x 32, 2 warps               32 x 32, 2 warps
-// Forward shared memory: 48 / 96 / 96 KiB (two CTAs per H100 SM at DP <= 128 by registers and
-// smem: 8 warps x ~160 registers). Registers decide DP = 256: O alone is 128 floats per lane.
+//   64   128 x 64, 8 warps, Q in regs     64 x 64, 4 warps, dK/dV regs   64 x 64, 4 warps
+//   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps, dK/dV regs   64 x 64, 4 warps
+//   256   64 x 32, 4 warps, Q in smem     32 x 32, 2 warps, dK/dV smem   32 x 32, 2 warps
+// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 151 / 211 / 244 per lane, see
+// `make check-cuda`) leave one CTA per SM: 8 / 8 / 4 warps. Registers decide DP = 256: O alone is
+// 128 floats per lane, so Q stays in shared memory there.
 template <int DP>
 struct Configs;
 template <>
@@ -580,6 +585,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   load_tile_async<BN, DP, NT>(sV, p.v + b * p.v_sb + hk * p.v_sh, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
   cp_async_commit();
   for (int i = threadIdx.x; i < 2 * Cfg::ACC_ELEMS; i += NT) sdK[i] = 0.f;  // sdK, sdV adjacent
+  constexpr int NACC = Cfg::ACC_IN_REGS ? DP / 8 : 1;
+  float acc_dk[NACC][4] = {}, acc_dv[NACC][4] = {};  // ACC_IN_REGS: C fragments, keys x dims
 
   int i_begin, i_end;
   query_range(p, n0, BN, i_begin, i_end);
@@ -668,6 +675,19 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
         // accumulator elements (rows kr[0] / kr[1], columns dp * 16 + nt * 8 + 2t, +1).
 #pragma unroll
         for (int dp = 0; dp < DP / 16; ++dp) {
+          if constexpr (Cfg::ACC_IN_REGS) {
+#pragma unroll
+            for (int ks = 0; ks < BM / 16; ++ks) {
+              uint32_t bb[4];
+              ldsm_bt<DP>(bb, sdO, ks * 16, dp * 16, lane);
+              M16::mma(acc_dv[2 * dp], a_p[ks], bb[0], bb[1]);
+              M16::mma(acc_dv[2 * dp + 1], a_p[ks], bb[2], bb[3]);
+              ldsm_bt<DP>(bb, sQ, ks * 16, dp * 16, lane);
+              M16::mma(acc_dk[2 * dp], a_ds[ks], bb[0], bb[1]);
+              M16::mma(acc_dk[2 * dp + 1], a_ds[ks], bb[2], bb[3]);
+            }
+            continue;
+          }
           float cv[2][4] = {}, ck[2][4] = {};
 #pragma unroll
           for (int ks = 0; ks < BM / 16; ++ks) {
@@ -693,9 +713,27 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
     }
   }
   cp_async_wait<0>();  // K / V landed even when no query block was visited
-  __syncthreads();     // all warps' accumulators (and the zero fill) are complete
   uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
   uint16_t* dv = p.dv + (int64_t{b} * p.Hkv + hk) * p.Lk * p.Dv;
+  if constexpr (Cfg::ACC_IN_REGS) {
+    // Lane (g, t) holds keys kr[0], kr[1] x columns dt * 8 + 2t, +1 of dK and dV.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int j = j_row[r];
+      if (j >= p.Lk) continue;
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = dt * 8 + 2 * t + e;
+          if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(acc_dk[dt][2 * r + e] * p.scale);
+          if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(acc_dv[dt][2 * r + e]);
+        }
+      }
+    }
+    return;
+  }
+  __syncthreads();  // all warps' shared accumulators (and the zero fill) are complete
   for (int idx = threadIdx.x; idx < BN * DP; idx += NT) {
     const int r = idx / DP, c = idx % DP;
     const int j = n0 + r;
