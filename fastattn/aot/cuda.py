@@ -52,14 +52,6 @@ class KernelRule:
 KERNEL_RULES = (
     KernelRule(r"^attn_(fwd|bwd_dkdv|bwd_dq)_kernel$", required=("ldmatrix", "cp.async", "mma")),
     KernelRule(r"^attn_bwd_delta_kernel$"),
-    # Known small spills of the element-wise kernels, measured on the sm_90a build (issue 13,
-    # item 5 is to remove them): the budget is what they spill today, so a growth fails.
-    KernelRule(r"^softmax_fwd_warp_kernel$", spill_budget=16,
-               reason="warp path with 32 scalar elements per lane (VEC 1 x 32): 12 + 4 B; "
-                      "16-bit VEC 8 x 2: 4 + 4 B"),
-    KernelRule(r"^layer_norm_bwd_kernel$", spill_budget=64,
-               reason="block path with element (non-vector) access: 28 + 28 B (16-bit x), "
-                      "32 + 32 B (float32 weight); float32 VEC 4: 4 + 4 B"),
 )
 
 
