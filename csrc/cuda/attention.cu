@@ -37,7 +37,7 @@
 // tile shapes per head-dim bucket are in ONE table, `Configs<DP>` below:
 // - forward: one CTA of BM / 16 warps per (BM query rows, b, h); each warp owns 16 rows. Q is
 //   loaded once (cp.async) and, for DP <= 128, held in registers as A fragments for the whole key
-//   loop (DP = 256 re-reads it from shared memory with ldmatrix: registers). The CTA walks the
+//   loop (DP = 256 re-reads it with ldmatrix: O already takes 128 registers). The CTA walks the
 //   BN-key tiles that intersect the band (tiles entirely outside it are skipped), K and V
 //   (both row-major) double-buffered: the cp.async of tile n+1 is in flight while tile n is
 //   computed. Per tile: S = Q K^T, then scale (and, only on tiles a warp does not see whole:
@@ -64,9 +64,10 @@
 // compile gate, fastattn/aot/cuda.py, reads it from the symbol). GPUs with less (sm_86 / sm_89:
 // 99 KiB) get a clear error for the larger buckets.
 //
-// Barriers: the forward has two __syncthreads per key tile -- after the wait for tile n (its
-// cp.async done in every thread) and after its last read (before tile n + 2 overwrites the
-// buffer) --; every cp.async group is waited for before the CTA exits. Every shared and global
+// Barriers: the forward and the dQ kernel have two __syncthreads per key tile -- after the wait
+// for tile n (its cp.async done in every thread) and after its last read (before tile n + 2
+// overwrites the buffer) --; every cp.async group is waited for before the CTA exits. The
+// forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp). Every shared and global
 // access is bounds-checked or covered by a static_assert on the tile shapes.
 //
 // Limits: Lq, Lk <= 2^29; head dims <= 256; H a multiple of Hkv; q / k / v / dout with a unit
