@@ -129,7 +129,11 @@ class Family:
     """What structure cannot tell about a family's modules."""
 
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1 for Gemma
+    left: str = ""  # what stays in PyTorch by design, said in the report
 
+
+_SPLIT_FFN = ("the FFN (*Intermediate + *Output) is split across two modules with the residual "
+              "LayerNorm between them: it stays in PyTorch")
 
 FAMILIES: dict[str, Family] = {
     # decoders (config.model_type -> row)
@@ -144,10 +148,9 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(),
     "gpt2": Family(),
     "gpt_neox": Family(),
-    # BERT-style encoders: torch LayerNorms and attention; their FFN is split across two modules
-    # with the residual LayerNorm between them, so it stays in PyTorch.
-    "bert": Family(),
-    "roberta": Family(),
+    # BERT-style encoders: torch LayerNorms and attention are swapped
+    "bert": Family(left=_SPLIT_FFN),
+    "roberta": Family(left=_SPLIT_FFN),
 }
 
 
@@ -402,10 +405,15 @@ def swap_modules(model, *, backend, flags, replaced, skipped, entry, label, orig
     if not prefixes:
         return
     for prefix, model_type in prefixes.items():
-        if model_type not in FAMILIES and _family_of(prefix, {p: t for p, t in prefixes.items() if p != prefix}) is None:
-            skipped.append(entry(prefix, label(type(model.get_submodule(prefix))), "",
-                                 f"model_type {model_type!r} has no row in fastattn.hf.FAMILIES: only its "
-                                 f"torch norms and attention are swapped"))
+        if _family_of(prefix, {p: t for p, t in prefixes.items() if p != prefix}) is not None:
+            continue  # said once, at the outermost transformers model
+        before = label(type(model.get_submodule(prefix)))
+        row = FAMILIES.get(model_type)
+        if row is None:
+            skipped.append(entry(prefix, before, "", f"model_type {model_type!r} has no row in fastattn.hf.FAMILIES: "
+                                                     f"only its torch norms and attention are swapped"))
+        elif row.left:
+            skipped.append(entry(prefix, before, "", row.left))
     for name, module in list(model.named_modules()):
         model_type = _family_of(name, prefixes)
         family = FAMILIES.get(model_type)

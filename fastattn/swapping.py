@@ -217,7 +217,8 @@ def swap(
         if blocker is None:
             report.hf_attention = hf.swap_attention(model, backend)
         elif getattr(model, "set_attn_implementation", None) is not None:
-            report.skipped.append(SwapEntry("", _label(type(model)), "", f"attention kept: {blocker}"))
+            current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            report.skipped.append(SwapEntry("", _label(type(model)), "", f"attention stays {current!r}: {blocker}"))
     return report
 
 

@@ -156,7 +156,7 @@ def test_gemma2_softcapping_keeps_attention_and_says_why():
     model = tf.Gemma2ForCausalLM._from_config(config, attn_implementation="eager")
     report = swap(model, backend=BACKEND)
     assert report.hf_attention is None and model.config._attn_implementation == "eager"
-    assert "attention kept: attn_logit_softcapping=50.0" in str(report)
+    assert "attention stays 'eager': attn_logit_softcapping=50.0" in str(report)
     assert report.counts["transformers.Gemma2RMSNorm"] == 9
     unswap(model)
 
