@@ -295,6 +295,7 @@ _PATCHED: dict[str, tuple] = {}  # modeling module name -> (original function, W
 
 
 def _rotary_forward(self, *args, **kwargs):
+    _patch_rotary(self)  # a copy of a swapped model (deepcopy, pickle) registers on its first call
     token = _ROTARY_BACKEND.set(self.backend)
     try:
         return super(type(self), self).forward(*args, **kwargs)
