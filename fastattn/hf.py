@@ -49,7 +49,9 @@ from fastattn.ops.ffn import ffn
 from fastattn.ops.layer_norm import rms_norm
 from fastattn.ops.rope import rope
 
-__all__ = ["FAMILIES", "MLP_LAYOUTS", "Family", "MLPLayout", "hf_attention_forward", "register_hf"]
+__all__ = [
+    "FAMILIES", "MLP_LAYOUTS", "Family", "MLPLayout", "activation_of", "hf_attention_forward", "register_hf", "rope_hf",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,8 +263,8 @@ def _match_rotary(module):
 def _norm_forward(self, x: Tensor) -> Tensor:
     _, attr, offset = self._fastattn_spec
     weight = self.weight
-    if offset:  # Gemma: (1 + w) in float32, the result in x's dtype
-        weight = (weight.float() + offset).to(x.dtype)
+    if offset:  # Gemma: x normalized times (1 + w), both in float32, rounded once to x's dtype
+        weight = weight.float() + offset
     elif weight.dtype != x.dtype:  # Llama-style: w * normed(x), promoted as PyTorch does
         x = x.to(torch.promote_types(x.dtype, weight.dtype))
         weight = weight.to(x.dtype)
