@@ -98,6 +98,7 @@ CASES = [
     ("float-mask-inf", 9, False, "float", [("k", 2), ("v", 2)]),  # -inf at column 2
     ("dead-row-q", 9, False, "dead-row", [("q", 3)]),  # row 3 attends nothing
     ("k-key-tiles", 130, True, None, [("k", 70), ("v", 100)]),  # several key tiles
+    ("full-band", 9, False, None, [("q", 4), ("v", 6)]),  # nothing masked: plain IEEE
 ]
 
 
@@ -163,5 +164,10 @@ def _check_rule(name, L, ref):
             assert (dk[:, :, 2] == 0).all() and (dv[:, :, 2] == 0).all()
         if name == "dead-row-q":
             assert (out[:, :, 3] == 0).all() and (dq[:, :, 3] == 0).all() and np.isneginf(lse[:, :, 3]).all()
+    elif name == "full-band":
+        # row 4 entirely; feature 3 of every row (all attend key 6); nothing else in the output
+        assert np.isnan(out[:, :, 4]).all() and np.isnan(out[..., 3]).all()
+        assert not np.isnan(np.delete(out, [4], axis=2)[..., :3]).any()
+        assert np.isnan(dq).all() and np.isnan(dk).all() and np.isnan(dv).all()
     elif name == "k-key-tiles":
         assert (_rows(dq) == (idx >= 70)).all() and (_rows(out) == (idx >= 70)).all()
