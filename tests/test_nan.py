@@ -20,24 +20,21 @@ from conftest import backend_params
 NAN = float("nan")
 
 
-def _backends():
-    params = []
-    for param in backend_params("attention"):
-        backend = param.values[0]
-        marks = list(param.marks)
-        if backend == "triton" and not marks:
-            # Found under the Triton interpreter (kernels/attention.py is being rewritten by the
-            # lead; see docs/numerics.md, "NaN": what the kernel needs).
-            marks.append(pytest.mark.xfail(
-                reason="kernels/attention.py: masked-out probabilities are formed as exp(-inf - m) "
-                "and enter tl.dot with v / k / q, so 0 * NaN leaks from masked-out keys (and a NaN "
-                "row's masked entries are NaN); the rule needs the masked entries selected out",
-                strict=False))
-        params.append(pytest.param(*param.values, marks=marks, id=param.id))
-    return params
+BACKENDS = backend_params("attention")
 
-
-BACKENDS = _backends()
+# kernels/attention.py (being rewritten by the lead) does not hold the rule yet; found under the
+# Triton interpreter. docs/numerics.md ("NaN") lists what the kernel needs.
+TRITON_XFAIL = {
+    "q-row": "dS of a NaN row's masked-out entries is 0 * NaN (P = exp(-inf - NaN lse)) and the "
+             "masked zeros of dS meet the NaN q in tl.dot(dS^T, q): dk of keys the row does not attend is NaN",
+    "k-key": "masked-out zeros of dS meet the NaN k in tl.dot(dS, k): dq of rows that do not attend the key is NaN",
+    "v-key": "masked-out zeros of P meet the NaN v in tl.dot(p, v): out of rows that do not attend the key is NaN",
+    "padded-kv": "masked-out zeros of P meet the NaN v of the padding keys in tl.dot(p, v): that feature of every output row is NaN",
+    "float-mask-inf": "the float mask is added (NaN + -inf = NaN), not selected: rows with a -inf entry "
+                      "at the NaN key are NaN",
+    "dead-row-q": "a fully masked row's zero dS meets its NaN q in tl.dot(dS^T, q): dk is NaN",
+    "k-key-tiles": "masked-out zeros of dS meet the NaN k in tl.dot(dS, k) within the diagonal tile",
+}
 
 
 def _inputs(B, H, L, D, g, dtype, device):
@@ -122,8 +119,10 @@ def _mask(kind, B, H, L):
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_nan_rule(backend, device, dtype, case):
+def test_nan_rule(backend, device, dtype, case, request):
     name, L, causal, kind, nans = case
+    if backend == "triton" and name in TRITON_XFAIL:
+        request.node.add_marker(pytest.mark.xfail(reason="kernels/attention.py: " + TRITON_XFAIL[name]))
     B, H, D = 1, 2, 16
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = _inputs(B, H, L, D, g, dtype, "cpu")
