@@ -904,50 +904,37 @@ at::Tensor acc_output(const at::Tensor& t) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// torch's own CPU flash attention (aten::_scaled_dot_product_flash_attention_for_cpu and its
-// backward), called for the shapes where it is the faster kernel and computes exactly this op's
-// contract (docs/backends.md):
-//   - no mask, no dropout, H == Hkv, D == Dv, float32 / bfloat16 / float16;
-//   - the band is everything (non-causal): forward and backward. No key is masked out, so the
-//     NaN rule is plain IEEE arithmetic, which torch's kernel follows (checked by tests/test_nan.py);
-//   - the band is top-left causal: backward only, and only when q, k, v and dout are all finite
-//     (torch's kernel lets a NaN in a masked-out key leak; ours does not).
-// Same lse convention (natural log, float32, (B, H, Lq)). FASTATTN_CPU_TORCH_ATTENTION=0 turns
-// this off (read on every call); the first call that takes it is logged (INFO).
-
-enum class TorchBand { kNone, kFull, kCausal };
-
-TorchBand torch_kernel_band(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask, double dropout_p,
-                            const Band& band) {
+// torch's own CPU flash attention forward (aten::_scaled_dot_product_flash_attention_for_cpu),
+// called where it is the faster kernel and computes exactly this op's contract
+// (docs/backends.md): the forward of non-causal attention (the band is everything) with no mask,
+// no dropout, H == Hkv, D == Dv, in float32 or bfloat16. No key is masked out there, so the NaN
+// rule is plain IEEE arithmetic, which torch's kernel follows (tests/test_nan.py, "full-band").
+// Same lse convention (natural log, float32, (B, H, Lq)), so our backward takes its output.
+// Measured per thread on AVX2 (bench/results/cpu-notes.md): torch's forward 7-10% faster there;
+// our backward as fast in float32 and ~3.9x faster in bfloat16, our causal forward faster, so
+// nothing else is dispatched. FASTATTN_CPU_TORCH_ATTENTION=0 turns this off (read on every
+// call); the first call that takes it is logged (INFO).
+bool use_torch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& mask, double dropout_p, const Band& band) {
   if (const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION")) {
-    if (std::strcmp(env, "0") == 0) return TorchBand::kNone;
+    if (std::strcmp(env, "0") == 0) return false;
   }
   const auto st = q.scalar_type();
   if ((mask.has_value() && mask->defined()) || dropout_p != 0.0 || q.size(1) != k.size(1) ||
-      q.size(3) != v.size(3) || !(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf)) {
-    return TorchBand::kNone;
+      q.size(3) != v.size(3) || !(st == at::kFloat || st == at::kBFloat16)) {
+    return false;
   }
-  const int64_t lq = q.size(2), lk = k.size(2);
-  if (band.lo > -(lq - 1)) return TorchBand::kNone;  // some query misses key 0
-  if (band.hi >= lk - 1) return TorchBand::kFull;
-  return band.hi == 0 ? TorchBand::kCausal : TorchBand::kNone;
+  // every query sees every key
+  return band.lo <= -(q.size(2) - 1) && band.hi >= k.size(2) - 1;
 }
 
 void log_torch_kernel(const char* which) {
   static std::once_flag once;
   std::call_once(once, [which] {
-    LOG(INFO) << "fastattn cpu attention: " << which << " runs on torch's own CPU flash attention "
-              << "kernel for the shapes where it is faster (no mask, no dropout, same heads; "
-              << "FASTATTN_CPU_TORCH_ATTENTION=0 turns this off)";
+    LOG(INFO) << "fastattn cpu attention: the " << which << " of non-causal attention without "
+              << "mask or dropout runs on torch's own CPU flash attention kernel, the faster one "
+              << "there (FASTATTN_CPU_TORCH_ATTENTION=0 turns this off)";
   });
-}
-
-bool all_finite(std::initializer_list<const at::Tensor*> ts) {
-  for (const at::Tensor* t : ts) {
-    if (!at::isfinite(*t).all().item<bool>()) return false;
-  }
-  return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1002,7 +989,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
     return {out, lse};
   }
   const Band band = make_band(offset, left, right, Lq, Lk);
-  if (torch_kernel_band(q, k, v, mask, dropout_p, band) == TorchBand::kFull) {
+  if (use_torch_forward(q, k, v, mask, dropout_p, band)) {
     log_torch_kernel("forward");
     auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, std::nullopt, scale);
     return {o.contiguous(), l.contiguous()};
@@ -1154,13 +1141,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     return {dq, dk, dv, dmask};
   }
   const Band band = make_band(offset, left, right, Lq, Lk);
-  const TorchBand tb = torch_kernel_band(q, k, v, mask, dropout_p, band);
-  if (tb == TorchBand::kFull || (tb == TorchBand::kCausal && all_finite({&q, &k, &v, &dout}))) {
-    log_torch_kernel("backward");
-    auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, tb == TorchBand::kCausal, std::nullopt, scale);
-    return {gq.contiguous(), gk.contiguous(), gv.contiguous(), dmask};
-  }
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_bwd_cpu", [&] {
     attention_bwd_impl<scalar_t>(dout, q, k, v, out, lse, mview, scale, band, drop, dq, dk, dv,
                                  need_dmask ? dmask.data_ptr<float>() : nullptr);
