@@ -397,6 +397,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     else:
         env["device"] = _cpu_name()
         env["cpus"] = os.cpu_count()
+        env["cpu_isa"] = _cpu_isa()
     env["commit"] = _git("rev-parse", "--short", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     env["commit_dirty"] = None if status is None else bool(status)
@@ -404,6 +405,31 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     measure_peaks(device)
     env["peaks"] = measured_peaks()
     return env
+
+
+def _cpu_isa() -> str:
+    """The SIMD path the cpu backend's kernels take here, as csrc/include/fastattn/cpu_simd.h
+    picks it: avx512 / avx2 / default from the CPU flags, capped by $FASTATTN_CPU_ISA."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    order = ["default", "avx2", "avx512"]
+    best = "default"
+    if {"avx2", "fma"} <= flags:
+        best = "avx2"
+        if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
+            best = "avx512"
+    want = os.environ.get("FASTATTN_CPU_ISA", "").lower()
+    want = {"scalar": "default", "baseline": "default"}.get(want, want)
+    if want in order and order.index(want) < order.index(best):
+        best = want
+    return best
 
 
 def _cpu_name() -> str:

@@ -253,12 +253,38 @@ def _reduce_kv_heads(dk, Hkv):
 
 
 def _attention_probs(q, k, mask, scale, causal, window):
-    """Scores ``S = scale * q k^T + M`` (mask and band as -inf), then ``(P, lse)``."""
+    """Scores ``S = scale * q k^T + M`` (mask and band as -inf), then ``(P, lse, allowed)``.
+
+    ``allowed`` (broadcast to ``P``'s shape) is True where query i attends key j: inside the band,
+    bool mask True, float mask not -inf. Outside it ``S = -inf`` and ``P = 0`` exactly, whatever
+    q, k or the mask hold there (the NaN rule of docs/numerics.md: a NaN in a row that attends it
+    makes the whole row's P and lse NaN, and only the attended entries).
+    """
     Lq, Lk = q.shape[-2], k.shape[-2]
-    s = scale * (q @ np.swapaxes(k, -1, -2)) + _additive_mask(mask)
+    with np.errstate(invalid="ignore"):
+        s = scale * (q @ np.swapaxes(k, -1, -2)) + _additive_mask(mask)
     allowed = band_mask(Lq, Lk, *structural_band(Lq, Lk, causal, window))
+    if mask is not None:
+        m = np.asarray(mask)
+        allowed = allowed & (m if m.dtype == np.bool_ else ~np.isneginf(_f64(m)))
+    allowed = np.broadcast_to(allowed, s.shape)
     s = np.where(allowed, s, -np.inf)
-    return _masked_softmax(s)
+    with np.errstate(invalid="ignore"):
+        p, lse = _masked_softmax(s)
+    return np.where(allowed, p, 0.0), lse, allowed
+
+
+def _attended_matmul(a, b, allowed):
+    """``a @ b`` summed over the attended pairs only: ``c_ix = sum_{j: allowed_ij} a_ij b_jx``.
+
+    ``a`` is 0 wherever ``allowed`` is False; when ``b`` is all finite that is ``a @ b``, else the
+    products are formed pairwise so a NaN / inf in ``b`` meets no masked-out 0 (0 * NaN = NaN).
+    """
+    if np.isfinite(b).all():
+        return a @ b
+    with np.errstate(invalid="ignore"):
+        prod = a[..., :, :, None] * b[..., None, :, :]
+    return np.where(allowed[..., None], prod, 0.0).sum(axis=-2)
 
 
 def _dropout_factor(B, H, Lq, Lk, dropout_p, seed):
@@ -302,9 +328,10 @@ def attention(q, k, v, mask=None, scale=None, causal=False, window=None, dropout
     """
     q, k, v, scale = _prepare(q, k, v, scale, enable_gqa)
     B, H, Lq, _ = q.shape
-    p, lse = _attention_probs(q, k, mask, scale, causal, window)
+    p, lse, allowed = _attention_probs(q, k, mask, scale, causal, window)
     z = _dropout_factor(B, H, Lq, k.shape[2], dropout_p, seed)
-    return (p * z) @ v, lse
+    with np.errstate(invalid="ignore"):
+        return _attended_matmul(p * z, v, allowed), lse
 
 
 def attention_backward(dout, q, k, v, mask=None, scale=None, causal=False, window=None,
@@ -321,19 +348,23 @@ def attention_backward(dout, q, k, v, mask=None, scale=None, causal=False, windo
 
     ``dk`` and ``dv`` are summed over each GQA group (shaped like ``k`` and ``v``). ``dmask`` is
     ``dS`` summed down to ``mask.shape`` for a float mask, ``None`` for a bool mask or no mask.
-    Fully masked rows have ``P = 0`` and so contribute 0 to every gradient.
+    Fully masked rows have ``P = 0`` and so contribute 0 to every gradient. Every sum runs over
+    the attended pairs only (``dS = 0`` elsewhere), so non-finite values at masked-out positions
+    do not reach any gradient (docs/numerics.md, NaN rule).
     """
     Hkv = np.shape(k)[1]
     q, k, v, scale = _prepare(q, k, v, scale, enable_gqa)
     dout = _f64(dout)
     B, H, Lq, _ = q.shape
-    p, _ = _attention_probs(q, k, mask, scale, causal, window)
+    p, _, allowed = _attention_probs(q, k, mask, scale, causal, window)
     z = _dropout_factor(B, H, Lq, k.shape[2], dropout_p, seed)
-    dv = np.swapaxes(p * z, -1, -2) @ dout
-    dp = (dout @ np.swapaxes(v, -1, -2)) * z
-    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-    dq = scale * (ds @ k)
-    dk = scale * (np.swapaxes(ds, -1, -2) @ q)
+    allowed_t = np.swapaxes(allowed, -1, -2)
+    with np.errstate(invalid="ignore"):
+        dv = _attended_matmul(np.swapaxes(p * z, -1, -2), dout, allowed_t)
+        dp = (dout @ np.swapaxes(v, -1, -2)) * z
+        ds = np.where(allowed, p * (dp - np.where(allowed, dp * p, 0.0).sum(axis=-1, keepdims=True)), 0.0)
+        dq = scale * _attended_matmul(ds, k, allowed)
+        dk = scale * _attended_matmul(np.swapaxes(ds, -1, -2), q, allowed_t)
     dmask = None
     if mask is not None and np.asarray(mask).dtype != np.bool_:
         dmask = _sum_to_shape(ds, np.shape(mask))

@@ -47,12 +47,16 @@
 // index arithmetic is int64 (the dropout counter i * Lk + j wraps mod 2^32 by definition).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Logging.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -188,6 +192,38 @@ void pack_rows(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t L, in
 // Elements of a pack_rows buffer.
 int64_t packed_rows_size(int64_t rows, int64_t dpad) { return (rows + cpu::kGemmRowPad) * dpad; }
 
+// flags[bh * ntiles + t] = 1 iff rows [t * tile, (t + 1) * tile) of head bh of a pack_rows buffer
+// (heads * L rows of ld values, ld a multiple of kPad<A>) hold a NaN or an infinity; an empty
+// vector when every value is finite. The tiles flagged take the careful GEMM (gemm_acc).
+template <class A>
+std::vector<uint8_t> nonfinite_tiles(const A* rows, int64_t heads, int64_t L, int64_t ld,
+                                     int64_t tile) {
+  using V = Vec<A, 16 / sizeof(A)>;
+  const int64_t ntiles = ceil_div(L, tile);
+  std::vector<uint8_t> flags(heads * ntiles, 0);
+  std::atomic<bool> any{false};
+  at::parallel_for(0, heads * ntiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t ht = t0; ht < t1; ++ht) {
+      const int64_t h = ht / ntiles, t = ht % ntiles;
+      const A* x = rows + (h * L + t * tile) * ld;
+      const int64_t n = std::min(tile, L - t * tile) * ld;
+      V a0(A(0)), a1(A(0));  // x - x is 0, or NaN for NaN and +-inf
+      for (int64_t e = 0; e < n; e += 2 * V::size) {
+        const V x0 = V::load(x + e), x1 = V::load(x + e + V::size);
+        a0 = a0 + (x0 - x0);
+        a1 = a1 + (x1 - x1);
+      }
+      const A r = (a0 + a1).sum();
+      if (r != r) {
+        flags[ht] = 1;
+        any.store(true, std::memory_order_relaxed);
+      }
+    }
+  });
+  if (!any.load()) flags.clear();
+  return flags;
+}
+
 // Transposed tiles: dst[((bh * ntiles + t) * dim + d) * tile + c] = scale * src[b, head, t * tile + c, d],
 // zero for rows >= L.
 template <class T, class A>
@@ -233,7 +269,15 @@ FASTATTN_INLINE typename V::value_type max_row(const typename V::value_type* s, 
   return max(m0, m1).max_lane();
 }
 
-// s = exp(s - m) in place; returns the sum.
+// exp(x - m) for a score x, or the masked marker -0.0 where x = -inf (masked out), whatever m is
+// (m may be NaN: a row that attends a NaN score; its masked entries still stay out).
+template <class V>
+FASTATTN_INLINE V exp_live(V x, V m) {
+  using A = typename V::value_type;
+  return V::select_neg_inf(x, V(-A(0)), cpu::vexp(x - m));
+}
+
+// s = exp(s - m) in place (-0.0 where s = -inf); returns the sum.
 template <class V>
 FASTATTN_INLINE typename V::value_type exp_sum_row(typename V::value_type* s, int64_t n,
                                                    typename V::value_type m) {
@@ -242,32 +286,32 @@ FASTATTN_INLINE typename V::value_type exp_sum_row(typename V::value_type* s, in
   V a0(A(0)), a1(A(0));
   int64_t c = 0;
   for (; c + 2 * V::size <= n; c += 2 * V::size) {
-    const V e0 = cpu::vexp(V::load(s + c) - mv), e1 = cpu::vexp(V::load(s + c + V::size) - mv);
+    const V e0 = exp_live(V::load(s + c), mv), e1 = exp_live(V::load(s + c + V::size), mv);
     e0.store(s + c);
     e1.store(s + c + V::size);
     a0 = a0 + e0;
     a1 = a1 + e1;
   }
   if (c < n) {
-    const V e0 = cpu::vexp(V::load(s + c) - mv);
+    const V e0 = exp_live(V::load(s + c), mv);
     e0.store(s + c);
     a0 = a0 + e0;
   }
   return (a0 + a1).sum();
 }
 
-// s = exp(s - m) in place (m a scalar).
+// s = exp(s - m) in place (m a scalar; -0.0 where s = -inf).
 template <class V>
 FASTATTN_INLINE void exp_row(typename V::value_type* s, int64_t n, typename V::value_type m) {
   const V mv(m);
-  for (int64_t c = 0; c < n; c += V::size) cpu::vexp(V::load(s + c) - mv).store(s + c);
+  for (int64_t c = 0; c < n; c += V::size) exp_live(V::load(s + c), mv).store(s + c);
 }
 
-// s = exp(s - m[c]) in place (a per-column m).
+// s = exp(s - m[c]) in place (a per-column m; -0.0 where s = -inf).
 template <class V>
 FASTATTN_INLINE void exp_row_cols(typename V::value_type* s, int64_t n,
                                   const typename V::value_type* m) {
-  for (int64_t c = 0; c < n; c += V::size) cpu::vexp(V::load(s + c) - V::load(m + c)).store(s + c);
+  for (int64_t c = 0; c < n; c += V::size) exp_live(V::load(s + c), V::load(m + c)).store(s + c);
 }
 
 // dst = s * z
@@ -277,7 +321,8 @@ FASTATTN_INLINE void mul_row_to(typename V::value_type* dst, const typename V::v
   for (int64_t c = 0; c < n; c += V::size) (V::load(s + c) * V::load(z + c)).store(dst + c);
 }
 
-// dp = p * (dp * z - delta) with a scalar delta (z = null: no dropout).
+// dp = p * (dp * z - delta) with a scalar delta (z = null: no dropout); -0.0 (masked) where p is
+// -0.0, even when dp or delta is NaN.
 template <class V>
 FASTATTN_INLINE void ds_row(typename V::value_type* dp, const typename V::value_type* p,
                             const typename V::value_type* z, int64_t n,
@@ -286,11 +331,12 @@ FASTATTN_INLINE void ds_row(typename V::value_type* dp, const typename V::value_
   for (int64_t c = 0; c < n; c += V::size) {
     V d = V::load(dp + c);
     if (z != nullptr) d = d * V::load(z + c);
-    (V::load(p + c) * (d - dv)).store(dp + c);
+    const V pv = V::load(p + c);
+    V::select_neg_zero(pv, pv, pv * (d - dv)).store(dp + c);
   }
 }
 
-// dp = p * (dp * z - delta[c]) with a per-column delta.
+// dp = p * (dp * z - delta[c]) with a per-column delta (-0.0 where p is -0.0).
 template <class V>
 FASTATTN_INLINE void ds_row_cols(typename V::value_type* dp, const typename V::value_type* p,
                                  const typename V::value_type* z, int64_t n,
@@ -298,9 +344,27 @@ FASTATTN_INLINE void ds_row_cols(typename V::value_type* dp, const typename V::v
   for (int64_t c = 0; c < n; c += V::size) {
     V d = V::load(dp + c);
     if (z != nullptr) d = d * V::load(z + c);
-    (V::load(p + c) * (d - V::load(delta + c))).store(dp + c);
+    const V pv = V::load(p + c);
+    V::select_neg_zero(pv, pv, pv * (d - V::load(delta + c))).store(dp + c);
   }
 }
+
+// C += op(A) B on a tile, by the careful path when B holds a non-finite value (`careful`): then
+// the -0.0 (masked-out) entries of op(A) contribute nothing, as docs/numerics.md's NaN rule asks.
+template <class V, bool kTransA = false>
+FASTATTN_INLINE void gemm_acc(bool careful, int64_t m, int64_t n, int64_t k,
+                              const typename V::value_type* a, int64_t lda,
+                              const typename V::value_type* b, int64_t ldb,
+                              typename V::value_type* c, int64_t ldc) {
+  if (careful) {
+    cpu::gemm_skip_neg_zero<V, kTransA>(m, n, k, a, lda, b, ldb, c, ldc);
+  } else {
+    cpu::gemm<V, kTransA>(m, n, k, a, lda, b, ldb, c, ldc, true);
+  }
+}
+
+// Whether tile `i` of a nonfinite_tiles() list is flagged (null: all finite).
+inline bool flagged(const uint8_t* flags, int64_t i) { return flags != nullptr && flags[i] != 0; }
 
 // z[c] = keep(counter = base + c * stride) ? inv_keep : 0 for c < n (any n).
 template <class A>
@@ -339,6 +403,7 @@ struct FwdArgs {
   const A* vp;  // (B * Hkv * Lk + pad, Dvp)
   int64_t Dvp, BQ, BK, nqb, nkb;
   const int64_t* qb_order;
+  const uint8_t* v_bad;  // nonfinite_tiles of vp with tile BK, or null
   // outputs: out (B, H, Lq, Dv) and lse (B, H, Lq); or, for the statistics-only sweep of the
   // float64 backward, lse_acc (B * H, lse_ld) with +inf for rows with nothing to attend.
   A* out;
@@ -384,10 +449,15 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
           band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
         }
         const A mx = max_row<V>(sr, nkp);
-        const A m_new = std::max(m[r], mx);
-        if (m_new == neg_inf) {  // nothing visible in this row yet: P = 0
-          if constexpr (!kStats) std::fill(sr, sr + nk, A(0));
-          continue;
+        A m_new = mx != mx ? mx : std::max(m[r], mx);  // NaN stays (std::max(m, NaN) is m)
+        if (m_new == neg_inf) {
+          // Nothing visible in this row yet -- unless a NaN score hid from max_row: P = -0.0
+          // (masked) then, else the row turns NaN.
+          if (std::none_of(sr, sr + nk, [](A x) { return x != x; })) {
+            if constexpr (!kStats) std::fill(sr, sr + nk, -A(0));
+            continue;
+          }
+          m_new = std::numeric_limits<A>::quiet_NaN();
         }
         const A alpha = cpu::sexp(m[r] - m_new);
         const A sum = exp_sum_row<V>(sr, nkp, m_new);
@@ -403,13 +473,14 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
         }
       }
       if constexpr (!kStats) {
-        cpu::gemm<V>(nq, Dvp, nk, s, BK, p.vp + (bg * sh.Lk + j0) * Dvp, Dvp, obuf.data(), Dvp, true);
+        gemm_acc<V>(flagged(p.v_bad, bg * p.nkb + kb), nq, Dvp, nk, s, BK,
+                    p.vp + (bg * sh.Lk + j0) * Dvp, Dvp, obuf.data(), Dvp);
       }
     }
 
     for (int64_t r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
-      const bool dead = !(l[r] > A(0));
+      const bool dead = l[r] == A(0);  // nothing attended (a NaN l is a NaN row, not dead)
       const A lse = dead ? neg_inf : m[r] + std::log(l[r]);
       if constexpr (kStats) {
         p.lse_acc[bh * p.lse_ld + i] = dead ? -neg_inf : lse;
@@ -462,6 +533,9 @@ struct BwdArgs {
   const A* delta;  // (B * H, Lq_pad): rowsum(dO * O), 0 for padding
   const int64_t* kb_order;
   const int64_t* qb_order;
+  // nonfinite_tiles of qp, dop (tile TQ) and kp (tile TK), or null: their GEMMs take gemm_acc's
+  // careful path so that masked-out entries never pass a NaN on.
+  const uint8_t *q_bad, *do_bad, *k_bad;
   A *dq, *dk, *dv;  // contiguous, shaped like q, k, v
   float* dmask;     // (B, H, Lq, Lk) or null
 };
@@ -517,8 +591,8 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
           }
         }
         // dV += (P Z)^T dO
-        cpu::gemm<V>(nk, Dvp, nq, drop ? pz.data() : st.data(), TQ, p.dop + (bh * sh.Lq + i0) * Dvp,
-                     Dvp, dv_acc.data(), Dvp, true);
+        gemm_acc<V>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvp, nq, drop ? pz.data() : st.data(),
+                    TQ, p.dop + (bh * sh.Lq + i0) * Dvp, Dvp, dv_acc.data(), Dvp);
         // dP^T = V dO^T, dS^T = P^T (Z dP^T - delta)
         cpu::gemm<V>(nk, nqp, Dv, vblk, Dvp, p.dot + (bh * p.nqb + qb) * Dv * TQ, TQ, dpt.data(),
                      TQ, false);
@@ -527,8 +601,8 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
                          nqp, delta);
         }
         // dK += dS^T Q
-        cpu::gemm<V>(nk, Dp, nq, dpt.data(), TQ, p.qp + (bh * sh.Lq + i0) * Dp, Dp, dk_acc.data(),
-                     Dp, true);
+        gemm_acc<V>(flagged(p.q_bad, bh * p.nqb + qb), nk, Dp, nq, dpt.data(), TQ,
+                    p.qp + (bh * sh.Lq + i0) * Dp, Dp, dk_acc.data(), Dp);
       }
     }
     for (int64_t r = 0; r < nk; ++r) {
@@ -592,12 +666,12 @@ FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::at
         if (p.dmask != nullptr) {
           float* dst = p.dmask + (bh * sh.Lq + i0 + r) * sh.Lk + j0;
           const A* src = dp.data() + r * TK;
-          for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]);
+          for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]) + 0.0f;  // -0 -> 0
         }
       }
       // dQ += dS K
-      cpu::gemm<V>(nq, Dp, nk, dp.data(), TK, p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(), Dp,
-                   true);
+      gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, nk, dp.data(), TK,
+                  p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(), Dp);
     }
     for (int64_t r = 0; r < nq; ++r) {
       A* dst = p.dq + (bh * sh.Lq + i0 + r) * D;
@@ -663,8 +737,8 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
             }
           }
           // dV += (P Z)^T dO
-          cpu::gemm<V, true>(nk, Dvp, nq, drop ? pz.data() : s.data(), TK, doblk, Dvp,
-                             dv_acc.data() + j0 * Dvp, Dvp, true);
+          gemm_acc<V, true>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvp, nq,
+                            drop ? pz.data() : s.data(), TK, doblk, Dvp, dv_acc.data() + j0 * Dvp, Dvp);
           // dP = dO V^T, dS = P (Z dP - delta)
           cpu::gemm<V>(nq, nkp, Dv, doblk, Dvp, p.vt + (bg * p.nkb + kb) * Dv * TK, TK, dp.data(),
                        TK, false);
@@ -674,13 +748,14 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
             if (p.dmask != nullptr) {
               float* dst = p.dmask + (bh * sh.Lq + i0 + r) * sh.Lk + j0;
               const A* src = dp.data() + r * TK;
-              for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]);
+              for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]) + 0.0f;  // -0 -> 0
             }
           }
           // dQ += dS K, dK += dS^T (scale Q)
-          cpu::gemm<V>(nq, Dp, nk, dp.data(), TK, p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(),
-                       Dp, true);
-          cpu::gemm<V, true>(nk, Dp, nq, dp.data(), TK, qblk, Dp, dk_acc.data() + j0 * Dp, Dp, true);
+          gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, nk, dp.data(), TK,
+                      p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(), Dp);
+          gemm_acc<V, true>(flagged(p.q_bad, bh * p.nqb + qb), nk, Dp, nq, dp.data(), TK, qblk, Dp,
+                            dk_acc.data() + j0 * Dp, Dp);
         }
         for (int64_t r = 0; r < nq; ++r) {
           A* dst = p.dq + (bh * sh.Lq + i0 + r) * D;
@@ -829,6 +904,40 @@ at::Tensor acc_output(const at::Tensor& t) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// torch's own CPU flash attention forward (aten::_scaled_dot_product_flash_attention_for_cpu),
+// called where it is the faster kernel and computes exactly this op's contract
+// (docs/backends.md): the forward of non-causal attention (the band is everything) with no mask,
+// no dropout, H == Hkv, D == Dv, in float32 or bfloat16. No key is masked out there, so the NaN
+// rule is plain IEEE arithmetic, which torch's kernel follows (tests/test_nan.py, "full-band").
+// Same lse convention (natural log, float32, (B, H, Lq)), so our backward takes its output.
+// Measured per thread on AVX2 (bench/results/cpu-notes.md): torch's forward 7-10% faster there;
+// our backward as fast in float32 and ~3.9x faster in bfloat16, our causal forward faster, so
+// nothing else is dispatched. FASTATTN_CPU_TORCH_ATTENTION=0 turns this off (read on every
+// call); the first call that takes it is logged (INFO).
+bool use_torch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& mask, double dropout_p, const Band& band) {
+  if (const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION")) {
+    if (std::strcmp(env, "0") == 0) return false;
+  }
+  const auto st = q.scalar_type();
+  if ((mask.has_value() && mask->defined()) || dropout_p != 0.0 || q.size(1) != k.size(1) ||
+      q.size(3) != v.size(3) || !(st == at::kFloat || st == at::kBFloat16)) {
+    return false;
+  }
+  // every query sees every key
+  return band.lo <= -(q.size(2) - 1) && band.hi >= k.size(2) - 1;
+}
+
+void log_torch_kernel(const char* which) {
+  static std::once_flag once;
+  std::call_once(once, [which] {
+    LOG(INFO) << "fastattn cpu attention: the " << which << " of non-causal attention without "
+              << "mask or dropout runs on torch's own CPU flash attention kernel, the faster one "
+              << "there (FASTATTN_CPU_TORCH_ATTENTION=0 turns this off)";
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Ops.
 
 template <class T>
@@ -852,9 +961,11 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
                   vp.data_ptr<A>());
   at::Tensor out_acc = acc_output<T, A>(out);
   const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, BQ, BK);
+  const std::vector<uint8_t> v_bad = nonfinite_tiles(vp.const_data_ptr<A>(), sh.B * sh.Hkv, sh.Lk, Dvp, BK);
   const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), sh.D,
                      kt.const_data_ptr<A>(), vp.const_data_ptr<A>(), Dvp, BQ, BK, nqb, nkb,
-                     order.data(), out_acc.data_ptr<A>(), lse.data_ptr<float>(), nullptr, 0};
+                     order.data(), v_bad.empty() ? nullptr : v_bad.data(), out_acc.data_ptr<A>(),
+                     lse.data_ptr<float>(), nullptr, 0};
   run_workers(sh.B * sh.H * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, false>(p, next); });
   if (!out_acc.is_same(out)) out.copy_(out_acc);
 }
@@ -878,6 +989,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
     return {out, lse};
   }
   const Band band = make_band(offset, left, right, Lq, Lk);
+  if (use_torch_forward(q, k, v, mask, dropout_p, band)) {
+    log_torch_kernel("forward");
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, std::nullopt, scale);
+    return {o.contiguous(), l.contiguous()};
+  }
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_fwd_cpu", [&] {
     attention_fwd_impl<scalar_t>(q, k, v, mview, scale, band, drop, out, lse);
   });
@@ -962,19 +1078,24 @@ void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::T
     const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, TQ, TK);
     const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), Dp,
                        kt.const_data_ptr<A>(), nullptr, Dvp, TQ, TK, nqb, nkb, order.data(),
-                       nullptr, nullptr, lse.data_ptr<A>(), Lq_pad};
+                       nullptr, nullptr, nullptr, lse.data_ptr<A>(), Lq_pad};
     run_workers(BH * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, true>(p, next); });
   }
 
   at::Tensor dq_acc = acc_output<T, A>(dq), dk_acc = acc_output<T, A>(dk), dv_acc = acc_output<T, A>(dv);
   const std::vector<int64_t> kb_order = key_order(band, sh.Lq, sh.Lk, TQ, TK);
   const std::vector<int64_t> qb_order = query_order(band, sh.Lq, sh.Lk, TQ, TK);
+  const std::vector<uint8_t> q_bad = nonfinite_tiles(qp.const_data_ptr<A>(), BH, sh.Lq, Dp, TQ);
+  const std::vector<uint8_t> do_bad = nonfinite_tiles(dop.const_data_ptr<A>(), BH, sh.Lq, Dvp, TQ);
+  const std::vector<uint8_t> k_bad = nonfinite_tiles(kp.const_data_ptr<A>(), BG, sh.Lk, Dp, TK);
+  auto ptr = [](const std::vector<uint8_t>& f) { return f.empty() ? nullptr : f.data(); };
   const BwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), Dp, Dvp, TQ, TK, nqb, nkb, Lq_pad,
                      qp.const_data_ptr<A>(), qt.const_data_ptr<A>(), kp.const_data_ptr<A>(),
                      kt.const_data_ptr<A>(), vp.const_data_ptr<A>(), vt.const_data_ptr<A>(),
                      dop.const_data_ptr<A>(), dot.const_data_ptr<A>(), lse.const_data_ptr<A>(),
-                     delta.const_data_ptr<A>(), kb_order.data(), qb_order.data(),
-                     dq_acc.data_ptr<A>(), dk_acc.data_ptr<A>(), dv_acc.data_ptr<A>(), dmask};
+                     delta.const_data_ptr<A>(), kb_order.data(), qb_order.data(), ptr(q_bad),
+                     ptr(do_bad), ptr(k_bad), dq_acc.data_ptr<A>(), dk_acc.data_ptr<A>(),
+                     dv_acc.data_ptr<A>(), dmask};
   if (two_pass) {
     run_workers(BG * nkb, [&](std::atomic<int64_t>& next) { dkdv_dispatch<A>(p, next); });
     run_workers(BH * nqb, [&](std::atomic<int64_t>& next) { dq_dispatch<A>(p, next); });

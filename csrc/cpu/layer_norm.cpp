@@ -194,6 +194,25 @@ struct BwdArgs {
   bool rms;
 };
 
+// o = rstd * (dy w - cg - xhat cx) (+ dh), xhat = (h - mu) rstd; with kParts also
+// pw += dy xhat and pb += dy.
+template <bool kDh, bool kParts, typename A>
+FASTATTN_INLINE void dx_row(A* __restrict o, const A* __restrict dy, const A* __restrict h,
+                            const A* __restrict w, const A* __restrict dh, A mu, A rs, A cg, A cx,
+                            A* __restrict pw, A* __restrict pb, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const A xh = (h[j] - mu) * rs;
+    A d = (dy[j] * w[j] - cg - xh * cx) * rs;
+    if constexpr (kDh) d += dh[j];
+    o[j] = d;
+    if constexpr (kParts) {
+      pw[j] += dy[j] * xh;
+      pb[j] += dy[j];
+    }
+  }
+}
+
 // Rows [r0, r1); pw / pb: the partial dweight / dbias row these rows add to, or null.
 template <typename T>
 FASTATTN_INLINE void bwd_rows_impl(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw,
@@ -232,27 +251,22 @@ FASTATTN_INLINE void bwd_rows_impl(const BwdArgs<T>& a, int64_t r0, int64_t r1, 
     }
     const A cg = a.rms ? A(0) : acc_g[0] * inv_n;
     const A cx = acc_gx[0] * inv_n;
-    // Pass 2: dx = rstd * (g - E[g] - xhat * E[g * xhat]) + dh.
+    // Pass 2: dx = rstd * (g - E[g] - xhat * E[g * xhat]) + dh, and in the same loop (one more
+    // read of the row, from L1) the partial dweight / dbias rows.
     T* dxr = a.dx + r * n;
     A* __restrict o = out_row(dxr, obuf.data());
-    if (a.dh != nullptr) {
-      const A* __restrict dh = read_row(a.dh + r * a.dh_stride, dhbuf.data(), n);
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        o[j] = (dy[j] * w[j] - cg - (h[j] - mu) * rs * cx) * rs + dh[j];
-      }
+    const A* __restrict dh =
+        a.dh != nullptr ? read_row(a.dh + r * a.dh_stride, dhbuf.data(), n) : nullptr;
+    if (pw != nullptr && dh != nullptr) {
+      dx_row<true, true>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
+    } else if (pw != nullptr) {
+      dx_row<false, true>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
+    } else if (dh != nullptr) {
+      dx_row<true, false>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
     } else {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) o[j] = (dy[j] * w[j] - cg - (h[j] - mu) * rs * cx) * rs;
+      dx_row<false, false>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
     }
     write_row(o, dxr, n);
-    if (pw != nullptr) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        pw[j] += dy[j] * ((h[j] - mu) * rs);
-        pb[j] += dy[j];
-      }
-    }
   }
 }
 

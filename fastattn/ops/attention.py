@@ -81,30 +81,61 @@ def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, p: float, dev
 # naive: eager PyTorch with the full (B, H, Lq, Lk) score matrix — the baseline.
 
 
+def _pairwise(a, b, sel):
+    """``sum_j where(sel_ij, a_i* b_j)``-style product that never combines a masked-out pair: ``a``
+    (..., M, 1, K) or (..., M, N, 1) against ``b``, both zeroed where ``sel`` (broadcast) is False
+    *before* the product, so a NaN or inf there meets no 0 (and its gradient stays 0 too)."""
+    return torch.where(sel, a, 0.0) * torch.where(sel, b, 0.0)
+
+
+def _all_finite(*tensors) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     group = H // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    acc = torch.promote_types(q.dtype, torch.float32)
-    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+    dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
     allowed = _band_mask(Lq, Lk, offset, left, right, q.device)
     if mask is not None and mask.dtype == torch.bool:
         allowed = allowed & mask
     elif mask is not None:
+        allowed = allowed & (mask != float("-inf"))  # -inf masks out, as a False would
+    allowed = allowed.expand(B, H, Lq, Lk)
+    # The NaN rule (docs/numerics.md): a masked-out pair (i, j) never meets q_i with k_j nor
+    # p_ij with v_j, so a NaN / inf held only by masked-out keys or rows does not leak (as 0 * NaN
+    # would), forward or backward. Matmuls do meet them: when an operand is not all finite the
+    # products are formed pairwise, masked first (O(Lq * Lk * D) memory; one reduction per check,
+    # a synchronization on a GPU). Under torch.compile the check (a data-dependent branch) is
+    # skipped: compiled naive takes the matmuls, which hold the rule for finite inputs only.
+    sel = allowed.unsqueeze(-1)
+    if _all_finite(q, k):
+        s = (q @ k.transpose(-1, -2)) * scale
+    else:
+        s = _pairwise(q.unsqueeze(-2), k.unsqueeze(-3), sel).sum(-1) * scale
+    if mask is not None and mask.dtype != torch.bool:
         s = s + mask.to(acc)
     s = s.masked_fill(~allowed, float("-inf"))
     # Rows with nothing to attend: softmax over zeros (finite), then zeroed, so the output and
-    # every gradient of those rows is 0 rather than NaN.
+    # every gradient of those rows is 0 rather than NaN. A row with a NaN score is NaN (not dead);
+    # its masked-out entries are 0 all the same.
     dead = torch.isneginf(s).all(-1, keepdim=True).detach()
-    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(~allowed | dead, 0.0)
     if dropout_p > 0:
         keep = dropout_keep_mask(seed, B, H, Lq, Lk, dropout_p, q.device)
         p = p * keep / (1.0 - dropout_p)
-    out = (p @ v.to(acc)).to(q.dtype)
+    if _all_finite(v):
+        out = p @ v
+    else:
+        out = _pairwise(p.unsqueeze(-1), v.unsqueeze(-3), sel).sum(-2)
     lse = torch.logsumexp(s.detach(), dim=-1).to(torch.float32)
-    return out, lse
+    return out.to(dtype), lse
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,5 +118,29 @@ FASTATTN_INLINE void gemm(int64_t m, int64_t n, int64_t k, const typename V::val
   }
 }
 
+// The careful path of gemm for a B that holds non-finite values: C[m x n] += op(A) B where the
+// entries of op(A) that are exactly -0.0 (the attention kernels' marker of a masked-out
+// probability or score gradient) contribute nothing -- not even the NaN of 0 * inf or 0 * NaN --
+// while every other entry, +0.0 included, contributes its IEEE product. n a multiple of V::size.
+// One axpy per (row, k) entry: several times slower than gemm, used only on tiles whose B is not
+// all finite.
+template <class V, bool kTransA = false>
+FASTATTN_INLINE void gemm_skip_neg_zero(int64_t m, int64_t n, int64_t k,
+                                        const typename V::value_type* a, int64_t lda,
+                                        const typename V::value_type* b, int64_t ldb,
+                                        typename V::value_type* c, int64_t ldc) {
+  constexpr int W = V::size;
+  for (int64_t i = 0; i < m; ++i) {
+    typename V::value_type* ci = c + i * ldc;
+    for (int64_t p = 0; p < k; ++p) {
+      const auto x = kTransA ? a[p * lda + i] : a[i * lda + p];
+      if (is_neg_zero(x)) continue;
+      const V xv(x);
+      const typename V::value_type* bp = b + p * ldb;
+      for (int64_t j = 0; j < n; j += W) fma(xv, V::load(bp + j), V::load(ci + j)).store(ci + j);
+    }
+  }
+}
+
 }  // namespace cpu
 }  // namespace fastattn

@@ -64,16 +64,20 @@ FASTATTN_INLINE void apply_mask_row_typed(A* s, int64_t n, const M* m, int64_t s
       for (int64_t c = 0; c < n; ++c) s[c] = m[c * stride] != 0 ? s[c] : neg_inf;
     }
   } else {
+    // -inf masks the entry out (s = -inf even when s is NaN: a NaN at a masked-out key must not
+    // leak, docs/numerics.md); any other value is added.
+    const A neg_inf = -std::numeric_limits<A>::infinity();
+    auto add = [neg_inf](A x, A mv) { return mv == neg_inf ? neg_inf : x + mv; };
     if (stride == 1) {
-      for (int64_t c = 0; c < n; ++c) s[c] += to_acc<A>(m[c]);
+      for (int64_t c = 0; c < n; ++c) s[c] = add(s[c], to_acc<A>(m[c]));
     } else {
-      for (int64_t c = 0; c < n; ++c) s[c] += to_acc<A>(m[c * stride]);
+      for (int64_t c = 0; c < n; ++c) s[c] = add(s[c], to_acc<A>(m[c * stride]));
     }
   }
 }
 
-// s[c] += mask[offset + c * stride] for c < n (float masks), or s[c] = -inf where a bool mask is
-// false.
+// s[c] += mask[offset + c * stride] for c < n (float masks; s[c] = -inf where the mask is -inf),
+// or s[c] = -inf where a bool mask is false.
 template <class A>
 FASTATTN_INLINE void apply_mask_row(A* s, int64_t n, const MaskView& mask, int64_t offset,
                                     int64_t stride) {

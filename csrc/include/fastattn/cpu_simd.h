@@ -115,6 +115,12 @@ FASTATTN_RAW_VEC(uint16_t, 4)
 FASTATTN_RAW_VEC(uint32_t, 16)
 FASTATTN_RAW_VEC(uint32_t, 8)
 FASTATTN_RAW_VEC(uint32_t, 4)
+FASTATTN_RAW_VEC(int32_t, 16)
+FASTATTN_RAW_VEC(int32_t, 8)
+FASTATTN_RAW_VEC(int32_t, 4)
+FASTATTN_RAW_VEC(int64_t, 8)
+FASTATTN_RAW_VEC(int64_t, 4)
+FASTATTN_RAW_VEC(int64_t, 2)
 #undef FASTATTN_RAW_VEC
 
 template <class A, int W>
@@ -127,7 +133,7 @@ struct Vec {
 
   Vec() = default;
   FASTATTN_INLINE Vec(Raw r) : v(r) {}
-  FASTATTN_INLINE explicit Vec(A x) : v(Raw{} + x) {}
+  FASTATTN_INLINE explicit Vec(A x) : v(x - Raw{}) {}  // x - (+0) keeps -0.0 (x + 0 would not)
   FASTATTN_INLINE static Vec load(const A* p) {
     Vec r;
     std::memcpy(&r.v, p, sizeof(Raw));
@@ -147,6 +153,19 @@ struct Vec {
   FASTATTN_INLINE static Vec select_lt(Vec x, Vec y, Vec a, Vec b) { return x.v < y.v ? a.v : b.v; }
   FASTATTN_INLINE static Vec select_gt(Vec x, Vec y, Vec a, Vec b) { return x.v > y.v ? a.v : b.v; }
   FASTATTN_INLINE static Vec select_nan(Vec x, Vec a, Vec b) { return x.v != x.v ? a.v : b.v; }
+  // Lane-wise "x == -inf ? a : b" (NaN never matches).
+  FASTATTN_INLINE static Vec select_neg_inf(Vec x, Vec a, Vec b) {
+    return x.v == Vec(-std::numeric_limits<A>::infinity()).v ? a.v : b.v;
+  }
+  // Lane-wise "x is -0.0 (that bit pattern exactly) ? a : b": the attention kernels mark masked-out
+  // probabilities and score gradients as -0.0 (see is_neg_zero). NaN never matches.
+  FASTATTN_INLINE static Vec select_neg_zero(Vec x, Vec a, Vec b) {
+    using I = std::conditional_t<sizeof(A) == 4, int32_t, int64_t>;
+    using RawI = typename RawVec<I, W>::type;
+    RawI bits;
+    std::memcpy(&bits, &x.v, sizeof(bits));
+    return bits == (RawI{} + std::numeric_limits<I>::min()) ? a.v : b.v;
+  }
   FASTATTN_INLINE A sum() const {
     A s = v[0];
     for (int i = 1; i < W; ++i) s += v[i];
@@ -180,6 +199,12 @@ struct Vec {
   static Vec select_lt(Vec x, Vec y, Vec a, Vec b) { FASTATTN_LANEWISE(x.v[i] < y.v[i] ? a.v[i] : b.v[i]) }
   static Vec select_gt(Vec x, Vec y, Vec a, Vec b) { FASTATTN_LANEWISE(x.v[i] > y.v[i] ? a.v[i] : b.v[i]) }
   static Vec select_nan(Vec x, Vec a, Vec b) { FASTATTN_LANEWISE(x.v[i] != x.v[i] ? a.v[i] : b.v[i]) }
+  static Vec select_neg_inf(Vec x, Vec a, Vec b) {
+    FASTATTN_LANEWISE(x.v[i] == -std::numeric_limits<A>::infinity() ? a.v[i] : b.v[i])
+  }
+  static Vec select_neg_zero(Vec x, Vec a, Vec b) {
+    FASTATTN_LANEWISE(x.v[i] == A(0) && std::signbit(x.v[i]) ? a.v[i] : b.v[i])
+  }
 #undef FASTATTN_LANEWISE
   A sum() const { A s = v[0]; for (int i = 1; i < W; ++i) s += v[i]; return s; }
   A max_lane() const { A s = v[0]; for (int i = 1; i < W; ++i) s = v[i] > s ? v[i] : s; return s; }
@@ -236,6 +261,13 @@ FASTATTN_INLINE float sexp(float x) {
   return vexp(v)[0];
 }
 FASTATTN_INLINE double sexp(double x) { return std::exp(x); }
+
+// True iff x is -0.0 (the marker of a masked-out probability in the attention kernels; a NaN,
+// whatever its sign bit, is not).
+template <class A>
+FASTATTN_INLINE bool is_neg_zero(A x) {
+  return x == A(0) && std::signbit(x);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Element conversions between storage types and the accumulation type.
