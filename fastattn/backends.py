@@ -52,6 +52,7 @@ class Backend:
     unavailable: Callable[[], str | None] = lambda: None
     impls: dict[str, Callable] = field(default_factory=dict)
     dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
+    missing: dict[str, str] = field(default_factory=dict)
 
 
 def interpreting() -> bool:
@@ -108,6 +109,12 @@ def register_backend(
     """
     backend = _REGISTRY.setdefault(name, Backend(name, tuple(devices)))
     backend.impls[op] = fn
+
+
+def note_missing(op: str, name: str, reason: str) -> None:
+    """Record why backend ``name`` does not implement ``op`` (e.g. "not implemented on cuda yet"),
+    so that asking for it explicitly says so."""
+    _REGISTRY[name].missing[op] = reason
 
 
 def implementations(op: str) -> list[str]:
@@ -168,7 +175,7 @@ def select(
     name, source = (backend, "backend=") if backend is not None else _requested()
     if name is not None:
         b = _check_name(name)
-        problem = b.unavailable()
+        problem = b.missing.get(op) or b.unavailable()
         if problem is None and op not in b.impls:
             problem = f"it has no implementation of {op}"
         if problem is None and device.type not in b.devices:

@@ -1,0 +1,475 @@
+// Attention over packed variable-length sequences and over a paged KV cache, on CPU
+// (fastattn::varlen_attention_fwd / varlen_attention_bwd / paged_attention_fwd).
+//
+// Math (per sequence b, query head h, kv head g = h / (H / Hkv)), as docs/numerics.md with each
+// sequence's own lengths Lq_b, Lk_b:
+//
+//   S_ij = scale * q_i . k_j   for keys j inside the band  i + off - left <= j <= i + off + right
+//          (off = Lk_b - Lq_b when bottom_right, else 0), -inf outside
+//   lse_i = log sum_j exp(S_ij),  P = exp(S - lse),  O = (P * Z) V     Z: dropout (rng.h), with the
+//          stream of batch row b and the counter i * Lk_b + j
+//   delta_i = sum_j P_ij dP_ij,  dP = Z * (dO V^T),  dS = P * (dP - delta)
+//   dQ = scale * dS K,  dK = scale * dS^T Q,  dV = (P * Z)^T dO
+//
+// Layouts: varlen q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), sequence b is rows
+// cu_q[b]..cu_q[b+1] (and cu_k); lse (H, total_q). Paged: q (B, H, Lq, D), caches (num_blocks,
+// block_size, Hkv, D/Dv); key t of sequence b lives in block block_table[b, t / block_size], slot
+// t % block_size; lse (B, H, Lq).
+//
+// Work split (at::parallel_for over a flat task list, dynamic via an atomic counter):
+// * varlen forward: one task per (sequence, query head, chunk of kRowChunk query rows); each row
+//   computes its band of scores into a row buffer, softmax, then O. No key tiles: the row buffer
+//   is O(Lk_b).
+// * varlen backward: one task per (sequence, kv head). It owns dK / dV of that slice (task-local
+//   accumulators, written once) and dQ of its group's query heads, so there are no atomics and
+//   the result is deterministic. Each query row recomputes its scores (and lse, in the
+//   accumulation type: float64 gradients stay exact to float64 rounding).
+// * paged forward (decoding: few queries, many keys) splits the key axis as flash-decoding does:
+//   one task per (sequence, kv head, key split) covers the Lq rows of every query head of the GQA
+//   group (so each cached key is read once per split), keeping per-row partial (max, sum, O);
+//   a second pass per (sequence, query head, row) merges the splits. The number of splits is
+//   chosen so that the tasks outnumber the threads about 4 to 1.
+//
+// Precision: accumulation in float32 (float64 for float64 inputs); inputs are read through their
+// dtype and converted per element (the cache is never converted as a whole); outputs rounded once.
+// Limits: none beyond memory; index arithmetic is int64. Every index is checked before use:
+// cu_seqlens must be within bounds and non-decreasing, block_table entries of used slots within
+// [0, num_blocks), cache_seqlens within the blocks a row owns (the Python layer gives friendlier
+// messages; these checks keep a direct call in bounds).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fastattn/common.h"
+#include "fastattn/rng.h"
+
+namespace fastattn {
+namespace {
+
+constexpr int64_t kRowChunk = 16;   // varlen forward: query rows per task
+constexpr int64_t kMinSplit = 256;  // paged forward: fewest keys per split
+
+template <class T>
+using acc_of = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// The band of row i clipped to the keys [0, lk): [lo, hi], empty when lo > hi.
+struct RowBand {
+  int64_t lo, hi;
+};
+
+inline RowBand row_band(int64_t i, int64_t lq, int64_t lk, bool bottom_right, int64_t left,
+                        int64_t right) {
+  const int64_t off = bottom_right ? lk - lq : 0;
+  left = std::min(left, lq + lk);  // unbounded sides arrive as large values: no overflow
+  right = std::min(right, lq + lk);
+  return {std::max<int64_t>(0, i + off - left), std::min(lk - 1, i + off + right)};
+}
+
+template <class Worker>
+void run_tasks(int64_t ntasks, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < ntasks; t = next++) worker(t);
+  });
+}
+
+template <class T, class A>
+inline A dot(const T* a, const T* b, int64_t n) {
+  A s = 0;
+  for (int64_t d = 0; d < n; ++d) s += static_cast<A>(a[d]) * static_cast<A>(b[d]);
+  return s;
+}
+
+// cu_seqlens as host int64 values, checked: int32, 1-D, (batch + 1), 0 first, non-decreasing,
+// last == total.
+std::vector<int64_t> read_cu(const at::Tensor& cu, int64_t batch1, int64_t total, const char* name) {
+  TORCH_CHECK(cu.scalar_type() == at::kInt, name, " must be int32, got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) == batch1, name, " must have shape (", batch1,
+              ",), got ", cu.sizes());
+  const auto c = cu.contiguous();
+  const int32_t* p = c.data_ptr<int32_t>();
+  std::vector<int64_t> out(p, p + batch1);
+  TORCH_CHECK(batch1 >= 1 && out[0] == 0, name, " must start at 0");
+  for (int64_t b = 0; b + 1 < batch1; ++b)
+    TORCH_CHECK(out[b + 1] >= out[b], name, " must be non-decreasing, got ", out[b], " then ",
+                out[b + 1], " at ", b);
+  TORCH_CHECK(out[batch1 - 1] == total, name, " must end at the total length ", total, ", got ",
+              out[batch1 - 1]);
+  return out;
+}
+
+void check_last_dim(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name,
+              " must have a contiguous last dimension, got strides ", t.strides());
+}
+
+struct VarlenShape {
+  int64_t H, Hkv, D, Dv, batch, max_q, max_k;
+  std::vector<int64_t> cq, ck;
+};
+
+VarlenShape check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cu_q, const at::Tensor& cu_k) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "q, k, v must be 3-D (total, heads, dim), got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  check_float_dtype(q, "q", true);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k, v must share a dtype");
+  TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1),
+              "k and v must share total length and heads, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(2) == q.size(2), "q and k head dims differ: ", q.sizes(), ", ", k.sizes());
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "query heads must be a multiple of kv heads, got ", q.sizes(), ", ", k.sizes());
+  check_last_dim(q, "q");
+  check_last_dim(k, "k");
+  check_last_dim(v, "v");
+  TORCH_CHECK(cu_q.size(0) == cu_k.size(0), "cu_seqlens_q and cu_seqlens_k must have one length, got ",
+              cu_q.sizes(), " and ", cu_k.sizes());
+  VarlenShape s;
+  s.H = q.size(1), s.Hkv = k.size(1), s.D = q.size(2), s.Dv = v.size(2);
+  s.batch = cu_q.size(0) - 1;
+  s.cq = read_cu(cu_q, cu_q.size(0), q.size(0), "cu_seqlens_q");
+  s.ck = read_cu(cu_k, cu_k.size(0), k.size(0), "cu_seqlens_k");
+  s.max_q = s.max_k = 0;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    s.max_q = std::max(s.max_q, s.cq[b + 1] - s.cq[b]);
+    s.max_k = std::max(s.max_k, s.ck[b + 1] - s.ck[b]);
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// varlen forward
+
+template <class T>
+void varlen_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     at::Tensor& out, at::Tensor& lse, const VarlenShape& s, double scale,
+                     bool bottom_right, int64_t left, int64_t right, double dropout_p,
+                     int64_t seed) {
+  using A = acc_of<T>;
+  const T* Q = q.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* V = v.data_ptr<T>();
+  T* O = out.data_ptr<T>();
+  float* L = lse.data_ptr<float>();
+  const int64_t sq_t = q.stride(0), sq_h = q.stride(1), sk_t = k.stride(0), sk_h = k.stride(1);
+  const int64_t sv_t = v.stride(0), sv_h = v.stride(1);
+  const int64_t total_q = q.size(0), group = s.H / s.Hkv, D = s.D, Dv = s.Dv;
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  const A rcp_keep = static_cast<A>(1.0 / (1.0 - dropout_p));
+
+  struct Task {
+    int64_t b, h, i0, i1;
+  };
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t i0 = 0; i0 < s.cq[b + 1] - s.cq[b]; i0 += kRowChunk)
+        tasks.push_back({b, h, i0, std::min(i0 + kRowChunk, s.cq[b + 1] - s.cq[b])});
+
+  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Task& task = tasks[t];
+    const int64_t b = task.b, h = task.h, g = h / group;
+    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
+    const uint32_t stream = dropout_stream(seed, b, h, s.H);
+    std::vector<A> sc(std::max<int64_t>(lk, 1)), acc(Dv);
+    for (int64_t i = task.i0; i < task.i1; ++i) {
+      const T* qi = Q + (q0 + i) * sq_t + h * sq_h;
+      T* oi = O + (q0 + i) * out.stride(0) + h * out.stride(1);
+      const RowBand band = row_band(i, lq, lk, bottom_right, left, right);
+      std::fill(acc.begin(), acc.end(), A(0));
+      A m = -std::numeric_limits<A>::infinity();
+      for (int64_t j = band.lo; j <= band.hi; ++j) {
+        sc[j] = static_cast<A>(scale) * dot<T, A>(qi, K + (k0 + j) * sk_t + g * sk_h, D);
+        m = std::max(m, sc[j]);
+      }
+      A l = 0;
+      const uint32_t row_base = dropout_row_base(i, lk);
+      for (int64_t j = band.lo; j <= band.hi; ++j) {
+        const A p = std::exp(sc[j] - m);
+        l += p;
+        A pz = p;
+        if (dropout_p > 0)
+          pz = dropout_bits(stream, row_base, static_cast<uint32_t>(j)) >= threshold ? p * rcp_keep : A(0);
+        if (pz != A(0)) {
+          const T* vj = V + (k0 + j) * sv_t + g * sv_h;
+          for (int64_t d = 0; d < Dv; ++d) acc[d] += pz * static_cast<A>(vj[d]);
+        }
+      }
+      const bool dead = band.lo > band.hi;
+      for (int64_t d = 0; d < Dv; ++d) oi[d] = static_cast<T>(dead ? A(0) : acc[d] / l);
+      L[h * total_q + q0 + i] =
+          dead ? -std::numeric_limits<float>::infinity() : static_cast<float>(m + std::log(l));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+    const at::Tensor& cu_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+    bool bottom_right, int64_t left, int64_t right, double dropout_p, int64_t seed) {
+  const VarlenShape s = check_varlen(q, k, v, cu_q, cu_k);
+  TORCH_CHECK(s.max_q <= max_seqlen_q && s.max_k <= max_seqlen_k,
+              "max_seqlen_q / max_seqlen_k (", max_seqlen_q, ", ", max_seqlen_k,
+              ") are below the longest sequences (", s.max_q, ", ", s.max_k, ")");
+  TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+  auto out = at::empty({q.size(0), s.H, s.Dv}, q.options());
+  auto lse = at::empty({s.H, q.size(0)}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "varlen_attention_fwd", [&] {
+    varlen_fwd_impl<scalar_t>(q, k, v, out, lse, s, scale, bottom_right, left, right, dropout_p, seed);
+  });
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------------
+// varlen backward
+
+template <class T>
+void varlen_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                     const VarlenShape& s, double scale, bool bottom_right, int64_t left,
+                     int64_t right, double dropout_p, int64_t seed) {
+  using A = acc_of<T>;
+  const T* Q = q.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* V = v.data_ptr<T>();
+  const T* dO = dout.data_ptr<T>();
+  const int64_t group = s.H / s.Hkv, D = s.D, Dv = s.Dv;
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  const A rcp_keep = static_cast<A>(1.0 / (1.0 - dropout_p));
+  const A sc_scale = static_cast<A>(scale);
+
+  run_tasks(s.batch * s.Hkv, [&](int64_t t) {
+    const int64_t b = t / s.Hkv, g = t % s.Hkv;
+    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
+    std::vector<A> dk_acc(lk * D, A(0)), dv_acc(lk * Dv, A(0)), dq_acc(D);
+    std::vector<A> sc(std::max<int64_t>(lk, 1)), dp(std::max<int64_t>(lk, 1));
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const uint32_t stream = dropout_stream(seed, b, h, s.H);
+      for (int64_t i = 0; i < lq; ++i) {
+        const T* qi = Q + (q0 + i) * q.stride(0) + h * q.stride(1);
+        const T* doi = dO + (q0 + i) * dout.stride(0) + h * dout.stride(1);
+        T* dqi = dq.data_ptr<T>() + (q0 + i) * dq.stride(0) + h * dq.stride(1);
+        const RowBand band = row_band(i, lq, lk, bottom_right, left, right);
+        std::fill(dq_acc.begin(), dq_acc.end(), A(0));
+        if (band.lo <= band.hi) {
+          A m = -std::numeric_limits<A>::infinity();
+          for (int64_t j = band.lo; j <= band.hi; ++j) {
+            sc[j] = sc_scale * dot<T, A>(qi, K + (k0 + j) * k.stride(0) + g * k.stride(1), D);
+            m = std::max(m, sc[j]);
+          }
+          A l = 0;
+          for (int64_t j = band.lo; j <= band.hi; ++j) l += std::exp(sc[j] - m);
+          const A lse = m + std::log(l);
+          const uint32_t row_base = dropout_row_base(i, lk);
+          A delta = 0;
+          for (int64_t j = band.lo; j <= band.hi; ++j) {
+            const T* vj = V + (k0 + j) * v.stride(0) + g * v.stride(1);
+            const A p = std::exp(sc[j] - lse);
+            A z = 1;
+            if (dropout_p > 0)
+              z = dropout_bits(stream, row_base, static_cast<uint32_t>(j)) >= threshold ? rcp_keep : A(0);
+            sc[j] = p;
+            dp[j] = z * dot<T, A>(doi, vj, Dv);
+            delta += p * dp[j];
+            const A pz = p * z;
+            A* dvj = dv_acc.data() + j * Dv;
+            for (int64_t d = 0; d < Dv; ++d) dvj[d] += pz * static_cast<A>(doi[d]);
+          }
+          for (int64_t j = band.lo; j <= band.hi; ++j) {
+            const A ds = sc[j] * (dp[j] - delta) * sc_scale;
+            const T* kj = K + (k0 + j) * k.stride(0) + g * k.stride(1);
+            A* dkj = dk_acc.data() + j * D;
+            for (int64_t d = 0; d < D; ++d) {
+              dq_acc[d] += ds * static_cast<A>(kj[d]);
+              dkj[d] += ds * static_cast<A>(qi[d]);
+            }
+          }
+        }
+        for (int64_t d = 0; d < D; ++d) dqi[d] = static_cast<T>(dq_acc[d]);
+      }
+    }
+    for (int64_t j = 0; j < lk; ++j) {
+      T* dkj = dk.data_ptr<T>() + (k0 + j) * dk.stride(0) + g * dk.stride(1);
+      T* dvj = dv.data_ptr<T>() + (k0 + j) * dv.stride(0) + g * dv.stride(1);
+      for (int64_t d = 0; d < D; ++d) dkj[d] = static_cast<T>(dk_acc[j * D + d]);
+      for (int64_t d = 0; d < Dv; ++d) dvj[d] = static_cast<T>(dv_acc[j * Dv + d]);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, bool bottom_right, int64_t left,
+    int64_t right, double dropout_p, int64_t seed) {
+  const VarlenShape s = check_varlen(q, k, v, cu_q, cu_k);
+  check_shape(dout, {q.size(0), s.H, s.Dv}, "dout");
+  check_shape(out, {q.size(0), s.H, s.Dv}, "out");
+  check_shape(lse, {s.H, q.size(0)}, "lse");
+  TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+  const auto dout_c = dout.to(q.scalar_type()).contiguous();
+  // Rows of no sequence (none: cu_seqlens cover every row) and rows outside every band get 0.
+  auto dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+  auto dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "varlen_attention_bwd", [&] {
+    varlen_bwd_impl<scalar_t>(dout_c, q, k, v, dq, dk, dv, s, scale, bottom_right, left, right,
+                              dropout_p, seed);
+  });
+  return {dq, dk, dv};
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged forward (split-KV decoding)
+
+template <class T>
+void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                    const std::vector<int64_t>& table, int64_t max_blocks,
+                    const std::vector<int64_t>& lens, at::Tensor& out, at::Tensor& lse,
+                    double scale, bool bottom_right, int64_t left, int64_t right) {
+  using A = acc_of<T>;
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t bs = kc.size(1), Hkv = kc.size(2), Dv = vc.size(3), group = H / Hkv;
+  const T* Q = q.data_ptr<T>();
+  const T* K = kc.data_ptr<T>();
+  const T* V = vc.data_ptr<T>();
+  const int64_t max_len = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(
+      1, std::min((want + B * Hkv - 1) / std::max<int64_t>(B * Hkv, 1),
+                  (max_len + kMinSplit - 1) / kMinSplit));
+  const int64_t chunk = std::max<int64_t>(1, (max_len + splits - 1) / splits);
+  const int64_t rows = group * Lq;
+  // Partial results per (b, kv head, split, row): running max, sum, and O (unnormalized).
+  std::vector<A> pm(B * Hkv * splits * rows), pl(pm.size()), po(pm.size() * Dv);
+  const A sc_scale = static_cast<A>(scale);
+
+  run_tasks(B * Hkv * splits, [&](int64_t t) {
+    const int64_t sp = t % splits, g = (t / splits) % Hkv, b = t / (splits * Hkv);
+    const int64_t lk = lens[b], j0 = sp * chunk, j1 = std::min(lk, j0 + chunk);
+    const int64_t base = t * rows;
+    std::vector<A> sc(std::max<int64_t>(chunk, 1));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = g * group + r / Lq, i = r % Lq;
+      const T* qi = Q + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      A* o = po.data() + (base + r) * Dv;
+      std::fill(o, o + Dv, A(0));
+      const RowBand band = row_band(i, Lq, lk, bottom_right, left, right);
+      const int64_t lo = std::max(band.lo, j0), hi = std::min(band.hi, j1 - 1);
+      A m = -std::numeric_limits<A>::infinity(), l = 0;
+      for (int64_t j = lo; j <= hi; ++j) {
+        const int64_t blk = table[b * max_blocks + j / bs];
+        const T* kj = K + blk * kc.stride(0) + (j % bs) * kc.stride(1) + g * kc.stride(2);
+        sc[j - j0] = sc_scale * dot<T, A>(qi, kj, D);
+        m = std::max(m, sc[j - j0]);
+      }
+      for (int64_t j = lo; j <= hi; ++j) {
+        const A p = std::exp(sc[j - j0] - m);
+        l += p;
+        const int64_t blk = table[b * max_blocks + j / bs];
+        const T* vj = V + blk * vc.stride(0) + (j % bs) * vc.stride(1) + g * vc.stride(2);
+        for (int64_t d = 0; d < Dv; ++d) o[d] += p * static_cast<A>(vj[d]);
+      }
+      pm[base + r] = m;
+      pl[base + r] = l;
+    }
+  });
+
+  // Merge the splits: M = max_s m_s, l = sum_s l_s exp(m_s - M), O = sum_s O_s exp(m_s - M) / l.
+  T* O = out.data_ptr<T>();
+  float* Lse = lse.data_ptr<float>();
+  at::parallel_for(0, B * H * Lq, 16, [&](int64_t begin, int64_t end) {
+    std::vector<A> acc(Dv);
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t i = x % Lq, h = (x / Lq) % H, b = x / (Lq * H);
+      const int64_t g = h / group, r = (h % group) * Lq + i;
+      A M = -std::numeric_limits<A>::infinity();
+      for (int64_t sp = 0; sp < splits; ++sp)
+        M = std::max(M, pm[((b * Hkv + g) * splits + sp) * rows + r]);
+      std::fill(acc.begin(), acc.end(), A(0));
+      A l = 0;
+      if (M != -std::numeric_limits<A>::infinity()) {
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t idx = ((b * Hkv + g) * splits + sp) * rows + r;
+          if (pl[idx] == A(0)) continue;
+          const A w = std::exp(pm[idx] - M);
+          l += pl[idx] * w;
+          for (int64_t d = 0; d < Dv; ++d) acc[d] += po[idx * Dv + d] * w;
+        }
+      }
+      T* oi = O + b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
+      for (int64_t d = 0; d < Dv; ++d) oi[d] = static_cast<T>(l > 0 ? acc[d] / l : A(0));
+      Lse[x] = l > 0 ? static_cast<float>(M + std::log(l)) : -std::numeric_limits<float>::infinity();
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& cache_seqlens, double scale,
+    bool bottom_right, int64_t left, int64_t right) {
+  TORCH_CHECK(q.dim() == 4, "q must be 4-D (B, H, Lq, D), got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
+              "k_cache and v_cache must be 4-D (num_blocks, block_size, Hkv, D), got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  check_float_dtype(q, "q", true);
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "k_cache and v_cache must have q's dtype");
+  TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+              "k_cache and v_cache shapes differ: ", k_cache.sizes(), ", ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(3) == q.size(3), "q and k_cache head dims differ");
+  TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "query heads must be a multiple of the caches' kv heads");
+  TORCH_CHECK(k_cache.size(1) > 0, "block_size must be >= 1");
+  check_last_dim(q, "q");
+  check_last_dim(k_cache, "k_cache");
+  check_last_dim(v_cache, "v_cache");
+  const int64_t B = q.size(0);
+  check_dtype(block_table, at::kInt, "block_table");
+  check_dtype(cache_seqlens, at::kInt, "cache_seqlens");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "block_table must be (B, max_blocks), got ",
+              block_table.sizes());
+  check_shape(cache_seqlens, {B}, "cache_seqlens");
+  TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0");
+  const int64_t max_blocks = block_table.size(1), bs = k_cache.size(1), nblocks = k_cache.size(0);
+  const auto tc = block_table.contiguous();
+  const auto lc = cache_seqlens.contiguous();
+  std::vector<int64_t> table(tc.data_ptr<int32_t>(), tc.data_ptr<int32_t>() + tc.numel());
+  std::vector<int64_t> lens(lc.data_ptr<int32_t>(), lc.data_ptr<int32_t>() + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * bs, "cache_seqlens[", b, "] = ", lens[b],
+                " is outside [0, ", max_blocks * bs, "]");
+    for (int64_t s = 0; s * bs < lens[b]; ++s)
+      TORCH_CHECK(table[b * max_blocks + s] >= 0 && table[b * max_blocks + s] < nblocks,
+                  "block_table[", b, ", ", s, "] = ", table[b * max_blocks + s],
+                  " is outside [0, ", nblocks, ")");
+  }
+  auto out = at::empty({B, q.size(1), q.size(2), v_cache.size(3)}, q.options());
+  auto lse = at::empty({B, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_fwd", [&] {
+    paged_fwd_impl<scalar_t>(q, k_cache, v_cache, table, max_blocks, lens, out, lse, scale,
+                             bottom_right, left, right);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("varlen_attention_fwd", &varlen_attention_fwd_cpu);
+  m.impl("varlen_attention_bwd", &varlen_attention_bwd_cpu);
+  m.impl("paged_attention_fwd", &paged_attention_fwd_cpu);
+}
+
+}  // namespace fastattn
