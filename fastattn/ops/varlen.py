@@ -475,3 +475,53 @@ def paged_cache_append(
             raise ValueError("two rows of block_table would write the same cache slot (shared blocks "
                              "must not receive new tokens)")
     _append_op(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face padding-free (packed) batches.
+
+
+def hf_varlen_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None = None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    *,
+    cu_seq_lens_q: Tensor,
+    cu_seq_lens_k: Tensor,
+    max_length_q: int | Tensor | None = None,
+    max_length_k: int | Tensor | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    backend: str | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' ``AttentionInterface`` signature for a padding-free (packed) batch: what the
+    attention function should call when transformers passes ``cu_seq_lens_q/k`` (and
+    ``max_length_q/k``), e.g. from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``.
+
+    ``query (1, H, total_q, D)``, ``key``/``value (1, Hkv, total_k, D)``; the sequences are
+    delimited by the cumulative lengths (int32 or int64; transformers builds them from
+    ``position_ids``). ``attention_mask`` is ignored: the sequence bounds are the mask. Causal
+    (``is_causal``, else ``module.is_causal``, default True) is bottom-right aligned as in
+    FlashAttention; ``sliding_window`` w keeps keys within w - 1 of the diagonal, as
+    transformers' flash path does. Returns ``(out (1, total_q, H, Dv), None)``.
+    """
+    if kwargs.get("softcap") is not None:
+        raise ValueError("fastattn attention does not support `softcap`; use attn_implementation='eager'")
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed batch has batch size 1, got query of shape {list(query.shape)}")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = None if sliding_window is None else (int(sliding_window) - 1, int(sliding_window) - 1)
+    cu_q, cu_k = cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32)
+    max_q = None if max_length_q is None else int(max_length_q)
+    max_k = None if max_length_k is None else int(max_length_k)
+    out = varlen_attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
+        causal="bottom_right" if causal else False, window=window, scale=scaling, dropout_p=float(dropout),
+        backend=backend,
+    )
+    return out[None], None
