@@ -23,6 +23,9 @@ t % block_size). Each split writes a float32 partial (O normalized, lse); splits
 a log-sum-exp weighted sum: O = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s. The number
 of splits fills the GPU (about two programs per SM), never more than the key tiles.
 
+Tiles are fixed, not autotuned yet: 16 x 16 under the interpreter, 64 x 64 on GPUs (32 x 32 for
+head dims above 128), 4 warps, 2 stages; the split merge runs as torch ops.
+
 Precision: scores, statistics and accumulators float32, P and dS cast to the input dtype for the
 dots (float32 dots are IEEE); lse float32. Rows with nothing to attend: O = 0, lse = -inf,
 gradients 0. Limits: float16 / bfloat16 / float32, head dims <= 256, unit stride on the last
@@ -57,11 +60,17 @@ from .attention import (
     _scores,
 )
 
-# One fixed tile shape per kernel (no autotuning yet): 16 x 16 under the interpreter.
-_BLOCK_M = 16 if _INTERPRET else 64
-_BLOCK_N = 16 if _INTERPRET else 64
+# One fixed tile shape (no autotuning yet): 16 x 16 under the interpreter; on a GPU 64 x 64, or
+# 32 x 32 for head dims above 128 (registers).
 _WARPS = 4
 _STAGES = 1 if _INTERPRET else 2
+
+
+def _tiles(D, Dv):
+    """(BLOCK_M, BLOCK_N) for these head dims."""
+    if _INTERPRET:
+        return 16, 16
+    return (64, 64) if max(D, Dv) <= 128 else (32, 32)
 
 
 @triton.jit
@@ -412,7 +421,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
         return out, lse
     seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
-    grid = (triton.cdiv(max_q, _BLOCK_M), batch, H)
+    block_m, block_n = _tiles(D, Dv)
+    grid = (triton.cdiv(max_q, block_m), batch, H)
     torch.library.wrap_triton(_varlen_fwd_kernel)[grid](
         q, k, v, out, lse, cu_q, cu_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -420,7 +430,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
         total_q, H, H // Hkv, scale * _LOG2E.value, left, right, seed32, threshold, rcp_keep,
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
-        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_WARPS, num_stages=_STAGES,
     )
     return out, lse
@@ -445,10 +455,11 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
         return dq, dk, dv
     seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
+    block_m, block_n = _tiles(D, Dv)
     consts = dict(
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
-        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_WARPS, num_stages=_STAGES,
     )
     scalars = (total_q, H, H // Hkv, scale, scale * _LOG2E.value, left, right, seed32, threshold,
@@ -461,14 +472,14 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
             H, total_q, HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
         )
     if max_k:
-        torch.library.wrap_triton(_varlen_dkdv_kernel)[(triton.cdiv(max_k, _BLOCK_N), batch, Hkv)](
+        torch.library.wrap_triton(_varlen_dkdv_kernel)[(triton.cdiv(max_k, block_n), batch, Hkv)](
             q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             *scalars, **consts,
         )
     if max_q:
-        torch.library.wrap_triton(_varlen_dq_kernel)[(triton.cdiv(max_q, _BLOCK_M), batch, H)](
+        torch.library.wrap_triton(_varlen_dq_kernel)[(triton.cdiv(max_q, block_m), batch, H)](
             q, k, v, dout, lse, delta, dq, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
@@ -509,11 +520,12 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         return out, lse
     max_len = block_table.shape[1] * block_size
     rows = (H // Hkv) * Lq
-    block_m = max(16, min(triton.next_power_of_2(rows), _BLOCK_M))
+    tile_m, block_n = _tiles(D, Dv)
+    block_m = max(16, min(triton.next_power_of_2(rows), tile_m))
     row_tiles = triton.cdiv(rows, block_m)
-    key_tiles = max(1, triton.cdiv(max_len, _BLOCK_N))
+    key_tiles = max(1, triton.cdiv(max_len, block_n))
     splits = num_splits or _num_splits(q.device, B * Hkv * row_tiles, key_tiles)
-    split_len = triton.cdiv(triton.cdiv(max(max_len, 1), splits), _BLOCK_N) * _BLOCK_N
+    split_len = triton.cdiv(triton.cdiv(max(max_len, 1), splits), block_n) * block_n
     o_part = torch.empty((B, H, Lq, splits, Dv), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, Lq, splits), dtype=torch.float32, device=q.device)
     block_table = block_table.contiguous()
@@ -528,7 +540,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         scale * _LOG2E.value, left, right,
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b,
-        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_WARPS, num_stages=_STAGES,
     )
     # Merge the splits: lse = logsumexp_s lse_s, O = sum_s exp(lse_s - lse) O_s.

@@ -263,3 +263,25 @@ def test_hf_packed_batch_equals_eager(transformers, kind):
     for name, p in model.named_parameters():
         if name in eager_grads:
             torch.testing.assert_close(p.grad, eager_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("backend,device", [p for p in BACKENDS if p.id in ("cpu", "naive")])
+def test_many_short_sequences(backend, device):
+    """More sequences than threads: the cpu backend runs sequences in parallel (each dense call
+    on one thread); the result and gradients must not change."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lens = [3, 1, 0, 7, 2, 5, 1, 4, 6]
+        q, k, v, cu_q, cu_k = _packed(lens, lens[::-1], 4, 2, 16, 16, device, dtype=torch.float64)
+        out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, causal="bottom_right", backend=backend)
+        ref_out, _ = reference.varlen_attention(to_numpy(q), to_numpy(k), to_numpy(v), cu_q, cu_k,
+                                                causal="bottom_right")
+        assert_close_to_reference(out, ref_out, name="out")
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        ref = reference.varlen_attention_backward(to_numpy(torch.ones_like(out)), to_numpy(q),
+                                                  to_numpy(k), to_numpy(v), cu_q, cu_k, causal="bottom_right")
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+            assert_close_to_reference(got, want, name=name)
+    finally:
+        torch.set_num_threads(threads)

@@ -16,28 +16,29 @@
 // block_size, Hkv, D/Dv); key t of sequence b lives in block block_table[b, t / block_size], slot
 // t % block_size; lse (B, H, Lq).
 //
-// Work split (at::parallel_for over a flat task list, dynamic via an atomic counter):
-// * varlen forward: one task per (sequence, query head, chunk of kRowChunk query rows); each row
-//   computes its band of scores into a row buffer, softmax, then O. No key tiles: the row buffer
-//   is O(Lk_b).
-// * varlen backward: one task per (sequence, kv head). It owns dK / dV of that slice (task-local
-//   accumulators, written once) and dQ of its group's query heads, so there are no atomics and
-//   the result is deterministic. Each query row recomputes its scores (and lse, in the
-//   accumulation type: float64 gradients stay exact to float64 rounding).
+// Work split:
+// * varlen forward / backward: each sequence is the dense CPU attention (fastattn::attention_fwd
+//   / _bwd, csrc/cpu/attention.cpp: blocked GEMM tiles, online softmax, SIMD) on strided
+//   (1, H, L, D) views of the packed tensors, with the sequence's band offset and batch row b's
+//   dropout stream; only the outputs are copied into the packed layout. Many sequences (at
+//   least twice the threads) run in parallel, longest first, each dense call on one thread;
+//   fewer run one after another, each parallel over heads and query blocks inside.
 // * paged forward (decoding: few queries, many keys) splits the key axis as flash-decoding does:
 //   one task per (sequence, kv head, key split) covers the Lq rows of every query head of the GQA
-//   group (so each cached key is read once per split), keeping per-row partial (max, sum, O);
+//   group (so each cached key is gathered once per split), keeping per-row partial (max, sum, O);
 //   a second pass per (sequence, query head, row) merges the splits. The number of splits is
 //   chosen so that the tasks outnumber the threads about 4 to 1.
 //
-// Precision: accumulation in float32 (float64 for float64 inputs); inputs are read through their
-// dtype and converted per element (the cache is never converted as a whole); outputs rounded once.
+// Precision: as the dense kernel for varlen; paged: accumulation in float32 (float64 for float64
+// inputs), the cache read through its dtype and converted per element (never as a whole).
 // Limits: none beyond memory; index arithmetic is int64. Every index is checked before use:
 // cu_seqlens must be within bounds and non-decreasing, block_table entries of used slots within
 // [0, num_blocks), cache_seqlens within the blocks a row owns (the Python layer gives friendlier
 // messages; these checks keep a direct call in bounds).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -52,7 +53,6 @@
 namespace fastattn {
 namespace {
 
-constexpr int64_t kRowChunk = 16;   // varlen forward: query rows per task
 constexpr int64_t kMinSplit = 256;  // paged forward: fewest keys per split
 
 template <class T>
@@ -82,6 +82,7 @@ void run_tasks(int64_t ntasks, const Worker& worker) {
 template <class T, class A>
 inline A dot(const T* a, const T* b, int64_t n) {
   A s = 0;
+#pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < n; ++d) s += static_cast<A>(a[d]) * static_cast<A>(b[d]);
   return s;
 }
@@ -146,69 +147,46 @@ VarlenShape check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 // ---------------------------------------------------------------------------------------------
-// varlen forward
+// varlen: each sequence through the dense CPU attention (csrc/cpu/attention.cpp, reached through
+// the dispatcher) on strided (1, H, L, D) views of the packed tensors, so the packed layout costs
+// no copy in and one copy of the outputs out.
 
-template <class T>
-void varlen_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     at::Tensor& out, at::Tensor& lse, const VarlenShape& s, double scale,
-                     bool bottom_right, int64_t left, int64_t right, double dropout_p,
-                     int64_t seed) {
-  using A = acc_of<T>;
-  const T* Q = q.data_ptr<T>();
-  const T* K = k.data_ptr<T>();
-  const T* V = v.data_ptr<T>();
-  T* O = out.data_ptr<T>();
-  float* L = lse.data_ptr<float>();
-  const int64_t sq_t = q.stride(0), sq_h = q.stride(1), sk_t = k.stride(0), sk_h = k.stride(1);
-  const int64_t sv_t = v.stride(0), sv_h = v.stride(1);
-  const int64_t total_q = q.size(0), group = s.H / s.Hkv, D = s.D, Dv = s.Dv;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A rcp_keep = static_cast<A>(1.0 / (1.0 - dropout_p));
+// (L, H, D) rows [start, start + n) -> the (1, H, n, D) view the dense op takes.
+at::Tensor seq_view(const at::Tensor& t, int64_t start, int64_t n) {
+  return t.narrow(0, start, n).permute({1, 0, 2}).unsqueeze(0);
+}
 
-  struct Task {
-    int64_t b, h, i0, i1;
-  };
-  std::vector<Task> tasks;
-  for (int64_t b = 0; b < s.batch; ++b)
-    for (int64_t h = 0; h < s.H; ++h)
-      for (int64_t i0 = 0; i0 < s.cq[b + 1] - s.cq[b]; i0 += kRowChunk)
-        tasks.push_back({b, h, i0, std::min(i0 + kRowChunk, s.cq[b + 1] - s.cq[b])});
+// The seed whose batch-0 dropout streams are batch row b's (rng.h: the stream hashes
+// seed + 0x9E3779B9 * (b * H + h)), so sequence b runs as a batch of one.
+int64_t sequence_seed(int64_t seed, int64_t b, int64_t H) {
+  return static_cast<int64_t>(static_cast<uint32_t>(seed) +
+                              0x9E3779B9u * static_cast<uint32_t>(b) * static_cast<uint32_t>(H));
+}
 
-  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
-    const Task& task = tasks[t];
-    const int64_t b = task.b, h = task.h, g = h / group;
-    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
-    const uint32_t stream = dropout_stream(seed, b, h, s.H);
-    std::vector<A> sc(std::max<int64_t>(lk, 1)), acc(Dv);
-    for (int64_t i = task.i0; i < task.i1; ++i) {
-      const T* qi = Q + (q0 + i) * sq_t + h * sq_h;
-      T* oi = O + (q0 + i) * out.stride(0) + h * out.stride(1);
-      const RowBand band = row_band(i, lq, lk, bottom_right, left, right);
-      std::fill(acc.begin(), acc.end(), A(0));
-      A m = -std::numeric_limits<A>::infinity();
-      for (int64_t j = band.lo; j <= band.hi; ++j) {
-        sc[j] = static_cast<A>(scale) * dot<T, A>(qi, K + (k0 + j) * sk_t + g * sk_h, D);
-        m = std::max(m, sc[j]);
-      }
-      A l = 0;
-      const uint32_t row_base = dropout_row_base(i, lk);
-      for (int64_t j = band.lo; j <= band.hi; ++j) {
-        const A p = std::exp(sc[j] - m);
-        l += p;
-        A pz = p;
-        if (dropout_p > 0)
-          pz = dropout_bits(stream, row_base, static_cast<uint32_t>(j)) >= threshold ? p * rcp_keep : A(0);
-        if (pz != A(0)) {
-          const T* vj = V + (k0 + j) * sv_t + g * sv_h;
-          for (int64_t d = 0; d < Dv; ++d) acc[d] += pz * static_cast<A>(vj[d]);
-        }
-      }
-      const bool dead = band.lo > band.hi;
-      for (int64_t d = 0; d < Dv; ++d) oi[d] = static_cast<T>(dead ? A(0) : acc[d] / l);
-      L[h * total_q + q0 + i] =
-          dead ? -std::numeric_limits<float>::infinity() : static_cast<float>(m + std::log(l));
-    }
-  });
+// Runs fn(b) for every sequence: in parallel over sequences when there are many (each dense call
+// then runs on its worker's thread), else one after another with each call parallel inside.
+template <class Fn>
+void for_sequences(const VarlenShape& s, const Fn& fn) {
+  const int64_t threads = at::get_num_threads();
+  if (s.batch >= 2 * threads && threads > 1) {
+    // Longest first, so that the last tasks are short.
+    std::vector<int64_t> order(s.batch);
+    for (int64_t b = 0; b < s.batch; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return (s.cq[x + 1] - s.cq[x]) * (s.ck[x + 1] - s.ck[x]) > (s.cq[y + 1] - s.cq[y]) * (s.ck[y + 1] - s.ck[y]);
+    });
+    run_tasks(s.batch, [&](int64_t t) {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      fn(order[t]);
+    });
+  } else {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    for (int64_t b = 0; b < s.batch; ++b) fn(b);
+  }
+}
+
+int64_t seq_offset(const VarlenShape& s, int64_t b, bool bottom_right) {
+  return bottom_right ? (s.ck[b + 1] - s.ck[b]) - (s.cq[b + 1] - s.cq[b]) : 0;
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cpu(
@@ -223,87 +201,22 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cpu(
   TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
   auto out = at::empty({q.size(0), s.H, s.Dv}, q.options());
   auto lse = at::empty({s.H, q.size(0)}, q.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "varlen_attention_fwd", [&] {
-    varlen_fwd_impl<scalar_t>(q, k, v, out, lse, s, scale, bottom_right, left, right, dropout_p, seed);
+  static auto dense = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("fastattn::attention_fwd", "")
+                          .typed<std::tuple<at::Tensor, at::Tensor>(
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t,
+                              double, int64_t)>();
+  for_sequences(s, [&](int64_t b) {
+    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
+    if (lq == 0) return;
+    auto [o, l] = dense.call(seq_view(q, q0, lq), seq_view(k, k0, lk), seq_view(v, k0, lk),
+                             std::nullopt, scale, seq_offset(s, b, bottom_right), left, right,
+                             dropout_p, sequence_seed(seed, b, s.H));
+    out.narrow(0, q0, lq).copy_(o[0].permute({1, 0, 2}));
+    lse.narrow(1, q0, lq).copy_(l[0]);
   });
   return {out, lse};
-}
-
-// ---------------------------------------------------------------------------------------------
-// varlen backward
-
-template <class T>
-void varlen_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& v, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                     const VarlenShape& s, double scale, bool bottom_right, int64_t left,
-                     int64_t right, double dropout_p, int64_t seed) {
-  using A = acc_of<T>;
-  const T* Q = q.data_ptr<T>();
-  const T* K = k.data_ptr<T>();
-  const T* V = v.data_ptr<T>();
-  const T* dO = dout.data_ptr<T>();
-  const int64_t group = s.H / s.Hkv, D = s.D, Dv = s.Dv;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A rcp_keep = static_cast<A>(1.0 / (1.0 - dropout_p));
-  const A sc_scale = static_cast<A>(scale);
-
-  run_tasks(s.batch * s.Hkv, [&](int64_t t) {
-    const int64_t b = t / s.Hkv, g = t % s.Hkv;
-    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
-    std::vector<A> dk_acc(lk * D, A(0)), dv_acc(lk * Dv, A(0)), dq_acc(D);
-    std::vector<A> sc(std::max<int64_t>(lk, 1)), dp(std::max<int64_t>(lk, 1));
-    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-      const uint32_t stream = dropout_stream(seed, b, h, s.H);
-      for (int64_t i = 0; i < lq; ++i) {
-        const T* qi = Q + (q0 + i) * q.stride(0) + h * q.stride(1);
-        const T* doi = dO + (q0 + i) * dout.stride(0) + h * dout.stride(1);
-        T* dqi = dq.data_ptr<T>() + (q0 + i) * dq.stride(0) + h * dq.stride(1);
-        const RowBand band = row_band(i, lq, lk, bottom_right, left, right);
-        std::fill(dq_acc.begin(), dq_acc.end(), A(0));
-        if (band.lo <= band.hi) {
-          A m = -std::numeric_limits<A>::infinity();
-          for (int64_t j = band.lo; j <= band.hi; ++j) {
-            sc[j] = sc_scale * dot<T, A>(qi, K + (k0 + j) * k.stride(0) + g * k.stride(1), D);
-            m = std::max(m, sc[j]);
-          }
-          A l = 0;
-          for (int64_t j = band.lo; j <= band.hi; ++j) l += std::exp(sc[j] - m);
-          const A lse = m + std::log(l);
-          const uint32_t row_base = dropout_row_base(i, lk);
-          A delta = 0;
-          for (int64_t j = band.lo; j <= band.hi; ++j) {
-            const T* vj = V + (k0 + j) * v.stride(0) + g * v.stride(1);
-            const A p = std::exp(sc[j] - lse);
-            A z = 1;
-            if (dropout_p > 0)
-              z = dropout_bits(stream, row_base, static_cast<uint32_t>(j)) >= threshold ? rcp_keep : A(0);
-            sc[j] = p;
-            dp[j] = z * dot<T, A>(doi, vj, Dv);
-            delta += p * dp[j];
-            const A pz = p * z;
-            A* dvj = dv_acc.data() + j * Dv;
-            for (int64_t d = 0; d < Dv; ++d) dvj[d] += pz * static_cast<A>(doi[d]);
-          }
-          for (int64_t j = band.lo; j <= band.hi; ++j) {
-            const A ds = sc[j] * (dp[j] - delta) * sc_scale;
-            const T* kj = K + (k0 + j) * k.stride(0) + g * k.stride(1);
-            A* dkj = dk_acc.data() + j * D;
-            for (int64_t d = 0; d < D; ++d) {
-              dq_acc[d] += ds * static_cast<A>(kj[d]);
-              dkj[d] += ds * static_cast<A>(qi[d]);
-            }
-          }
-        }
-        for (int64_t d = 0; d < D; ++d) dqi[d] = static_cast<T>(dq_acc[d]);
-      }
-    }
-    for (int64_t j = 0; j < lk; ++j) {
-      T* dkj = dk.data_ptr<T>() + (k0 + j) * dk.stride(0) + g * dk.stride(1);
-      T* dvj = dv.data_ptr<T>() + (k0 + j) * dv.stride(0) + g * dv.stride(1);
-      for (int64_t d = 0; d < D; ++d) dkj[d] = static_cast<T>(dk_acc[j * D + d]);
-      for (int64_t d = 0; d < Dv; ++d) dvj[d] = static_cast<T>(dv_acc[j * Dv + d]);
-    }
-  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
@@ -315,16 +228,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
   check_shape(dout, {q.size(0), s.H, s.Dv}, "dout");
   check_shape(out, {q.size(0), s.H, s.Dv}, "out");
   check_shape(lse, {s.H, q.size(0)}, "lse");
+  check_dtype(lse, at::kFloat, "lse");
   TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
   TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
-  const auto dout_c = dout.to(q.scalar_type()).contiguous();
-  // Rows of no sequence (none: cu_seqlens cover every row) and rows outside every band get 0.
-  auto dq = at::empty_like(q, at::MemoryFormat::Contiguous);
-  auto dk = at::empty_like(k, at::MemoryFormat::Contiguous);
-  auto dv = at::empty_like(v, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "varlen_attention_bwd", [&] {
-    varlen_bwd_impl<scalar_t>(dout_c, q, k, v, dq, dk, dv, s, scale, bottom_right, left, right,
-                              dropout_p, seed);
+  const at::Tensor dout_t = dout.to(q.scalar_type());
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  static auto dense = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("fastattn::attention_bwd", "")
+                          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t,
+                              double, int64_t, bool)>();
+  for_sequences(s, [&](int64_t b) {
+    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
+    if (lq == 0 || lk == 0) {  // no score: every gradient of the sequence is 0
+      dq.narrow(0, q0, lq).zero_();
+      dk.narrow(0, k0, lk).zero_();
+      dv.narrow(0, k0, lk).zero_();
+      return;
+    }
+    auto [gq, gk, gv, unused] = dense.call(
+        seq_view(dout_t, q0, lq), seq_view(q, q0, lq), seq_view(k, k0, lk), seq_view(v, k0, lk),
+        seq_view(out, q0, lq), lse.narrow(1, q0, lq).unsqueeze(0), std::nullopt, scale,
+        seq_offset(s, b, bottom_right), left, right, dropout_p, sequence_seed(seed, b, s.H), false);
+    dq.narrow(0, q0, lq).copy_(gq[0].permute({1, 0, 2}));
+    dk.narrow(0, k0, lk).copy_(gk[0].permute({1, 0, 2}));
+    dv.narrow(0, k0, lk).copy_(gv[0].permute({1, 0, 2}));
   });
   return {dq, dk, dv};
 }

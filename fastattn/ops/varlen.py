@@ -260,14 +260,8 @@ def _band_args(causal, window, unbounded: int) -> tuple[bool, int, int]:
     return causal == "bottom_right", left, right
 
 
-def _seqlens(name: str, cu: Tensor, total: int, batch1: int) -> Tensor:
-    """The lengths of a checked cu_seqlens (0 first, non-decreasing, last = total)."""
-    if cu.shape[0] != batch1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be (batch + 1,), got "
-                         f"{name} of shape {list(cu.shape)} for batch + 1 = {batch1}")
-    if batch1 < 1:
-        raise ValueError(f"{name} must hold at least one entry (0), got shape {list(cu.shape)}")
-    host = cu.cpu()
+def _seqlens(name: str, host: Tensor, total: int) -> Tensor:
+    """The lengths of a cu_seqlens (its host copy), checked: 0 first, non-decreasing, last = total."""
     if int(host[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(host[0])}")
     lengths = host[1:] - host[:-1]
@@ -290,20 +284,17 @@ def _max_seqlen(name: str, given, lengths: Tensor) -> int:
     return given
 
 
-def _owned_slots(block_table: Tensor, num_blocks: int) -> Tensor:
+def _owned_slots(block_table: Tensor) -> Tensor:
     """Per row, how many leading block_table entries are blocks (the rest, from the first -1,
-    are unused); raises when an entry is neither a block index nor -1."""
-    bad = (block_table < -1) | (block_table >= num_blocks)
-    if bool(bad.any()):
-        b, s = torch.nonzero(bad)[0].tolist()
-        raise ValueError(f"block_table[{b}, {s}] = {int(block_table[b, s])} is not a block of the "
-                         f"caches (0 <= index < num_blocks = {num_blocks}, or -1 for no block)")
+    are unused)."""
     return torch.cumprod((block_table >= 0).int(), dim=1).sum(1)
 
 
-def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra: int = 0):
-    """Checks shared by paged_attention (q (B, H, Lq, D)) and paged_cache_append (k_new); returns
-    the host cache_seqlens. ``extra`` new tokens must fit in the blocks each row owns too."""
+def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra: int = 0) -> None:
+    """Checks shared by paged_attention (q (B, H, Lq, D)) and paged_cache_append (k_new, with
+    ``extra`` new tokens that must fit in the blocks each row owns too, and may not share a slot).
+    The value checks run where the tensors are, with one device-to-host sync; only a failure is
+    diagnosed on the host."""
     _check_tensor("k_cache", k_cache, 4, "(num_blocks, block_size, kv_heads, head_dim)")
     _check_tensor("v_cache", v_cache, 4, "(num_blocks, block_size, kv_heads, head_dim_v)")
     _check_float("k_cache", k_cache, q, q_name)
@@ -319,17 +310,32 @@ def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra:
     if block_table.shape[0] != B or cache_seqlens.shape[0] != B:
         raise ValueError(f"block_table {list(block_table.shape)} and cache_seqlens "
                          f"{list(cache_seqlens.shape)} must have {q_name}'s batch size {B}")
-    table, lens = block_table.cpu(), cache_seqlens.cpu()
+    num_blocks, bs = k_cache.shape[0], k_cache.shape[1]
+    bad_entry = (block_table < -1) | (block_table >= num_blocks)
+    room = _owned_slots(block_table) * bs
+    over = (cache_seqlens < 0) | (cache_seqlens + extra > room)
+    flags = [bad_entry.any(), over.any()]
+    if extra and B:
+        pos = cache_seqlens.long()[:, None] + torch.arange(extra, device=q.device)
+        slots = block_table.long().gather(1, torch.clamp(pos // bs, max=block_table.shape[1] - 1)) * bs + pos % bs
+        flags.append((slots.flatten().sort().values.diff() == 0).any())
+    if not bool(torch.stack(flags).any()):
+        return
+    # Diagnose on the host.
+    table, lens, room = block_table.cpu(), cache_seqlens.cpu(), room.cpu()
+    if bool(bad_entry.any()):
+        b, s = torch.nonzero(bad_entry.cpu())[0].tolist()
+        raise ValueError(f"block_table[{b}, {s}] = {int(table[b, s])} is not a block of the caches "
+                         f"(0 <= index < num_blocks = {num_blocks}, or -1 for no block)")
     if bool((lens < 0).any()):
         raise ValueError(f"cache_seqlens must be >= 0, got {lens.tolist()}")
-    room = _owned_slots(table, k_cache.shape[0]) * k_cache.shape[1]
-    over = lens + extra > room
     if bool(over.any()):
-        b = int(torch.nonzero(over)[0, 0])
+        b = int(torch.nonzero(over.cpu())[0, 0])
         what = f"cache_seqlens[{b}] = {int(lens[b])}" + (f" + {extra} new tokens" if extra else "")
         raise ValueError(f"{what} exceeds the {int(room[b])} positions of the blocks row {b} of "
-                         f"block_table owns (block_size {k_cache.shape[1]})")
-    return lens, table
+                         f"block_table owns (block_size {bs})")
+    raise ValueError("two rows of block_table would write the same cache slot (shared blocks must "
+                     "not receive new tokens)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,8 +391,12 @@ def varlen_attention(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     batch1 = cu_seqlens_q.shape[0]
-    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, _seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], batch1))
-    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, _seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], batch1))
+    if batch1 < 1 or cu_seqlens_k.shape[0] != batch1:
+        raise ValueError(f"cu_seqlens_q {list(cu_seqlens_q.shape)} and cu_seqlens_k {list(cu_seqlens_k.shape)} "
+                         f"must both be (batch + 1,) with batch >= 0")
+    host = torch.cat([cu_seqlens_q, cu_seqlens_k]).cpu()  # one device-to-host copy
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, _seqlens("cu_seqlens_q", host[:batch1], q.shape[0]))
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, _seqlens("cu_seqlens_k", host[batch1:], k.shape[0]))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     bottom_right, left, right = _band_args(causal, window, max_seqlen_q + max_seqlen_k)
     if dropout_p > 0 and seed is None:
@@ -424,7 +434,7 @@ def paged_attention(
     _check_tensor("q", q, 4, "(batch, heads, new_tokens, head_dim)")
     _check_float("q", q, q, "q")
     _check_band(causal, window)
-    lens, table = _check_paged("q", q, k_cache, v_cache, block_table, cache_seqlens)
+    _check_paged("q", q, k_cache, v_cache, block_table, cache_seqlens)
     if k_cache.shape[3] != q.shape[3]:
         raise ValueError(f"q head dim {q.shape[3]} differs from k_cache head dim {k_cache.shape[3]} "
                          f"(q {list(q.shape)}, k_cache {list(k_cache.shape)})")
@@ -457,8 +467,7 @@ def paged_cache_append(
     _check_tensor("v_new", v_new, 4, "(batch, kv_heads, new_tokens, head_dim_v)")
     _check_float("k_new", k_new, k_new, "k_new")
     _check_float("v_new", v_new, k_new, "k_new")
-    lens, table = _check_paged("k_new", k_new, k_cache, v_cache, block_table, cache_seqlens,
-                               extra=k_new.shape[2])
+    _check_paged("k_new", k_new, k_cache, v_cache, block_table, cache_seqlens, extra=k_new.shape[2])
     B, Hkv, Lnew, _ = k_new.shape
     if (v_new.shape[0], v_new.shape[1], v_new.shape[2]) != (B, Hkv, Lnew):
         raise ValueError(f"k_new {list(k_new.shape)} and v_new {list(v_new.shape)} must share batch, "
@@ -467,13 +476,6 @@ def paged_cache_append(
         raise ValueError(f"k_new {list(k_new.shape)} / v_new {list(v_new.shape)} do not fit the caches "
                          f"k_cache {list(k_cache.shape)} / v_cache {list(v_cache.shape)} "
                          f"(kv heads and head dims must match)")
-    if Lnew and B:
-        bs = k_cache.shape[1]
-        pos = lens.long()[:, None] + torch.arange(Lnew)
-        flat = table.long().gather(1, pos // bs) * bs + pos % bs
-        if flat.unique().numel() != flat.numel():
-            raise ValueError("two rows of block_table would write the same cache slot (shared blocks "
-                             "must not receive new tokens)")
     _append_op(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new)
 
 
