@@ -48,7 +48,7 @@
 #include <vector>
 
 #include "fastattn/common.h"
-#include "fastattn/rng.h"
+#include "fastattn/cpu_simd.h"
 
 namespace fastattn {
 namespace {
@@ -79,13 +79,6 @@ void run_tasks(int64_t ntasks, const Worker& worker) {
   });
 }
 
-template <class T, class A>
-inline A dot(const T* a, const T* b, int64_t n) {
-  A s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < n; ++d) s += static_cast<A>(a[d]) * static_cast<A>(b[d]);
-  return s;
-}
 
 // cu_seqlens as host int64 values, checked: int32, 1-D, (batch + 1), 0 first, non-decreasing,
 // last == total.
@@ -264,6 +257,111 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
 // ---------------------------------------------------------------------------------------------
 // paged forward (split-KV decoding)
 
+constexpr int64_t kPagedTile = 64;  // keys gathered (and converted) per step
+
+template <class T>
+struct PagedArgs {
+  using A = acc_of<T>;
+  const T *Q, *K, *V;
+  int64_t sq_b, sq_h, sq_m, sk_blk, sk_slot, sk_h, sv_blk, sv_slot, sv_h;
+  int64_t B, H, Hkv, group, Lq, D, Dv, block_size, max_blocks, splits, chunk, rows;
+  const int64_t* table;
+  const int64_t* lens;
+  bool bottom_right;
+  int64_t left, right;
+  A scale;
+  A *pm, *pl, *po;  // partials per (b, kv head, split, row): max, sum, unnormalized O (Dv)
+};
+
+// One (b, kv head, key split) task: the group's rows (query head g * group + r / Lq, query
+// r % Lq) over the split's keys, gathered kPagedTile at a time: K transposed (D x TK, so a row's
+// scores for W keys are D FMAs with no horizontal sum) and V as rows zero-padded to Dvp (a
+// multiple of the vector width W). Scores of keys outside a row's band or past the tile are
+// masked after the fact; the O update keeps each W-wide slice of O in a register across keys.
+template <class V, class T>
+FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  using A = typename V::value_type;
+  constexpr int W = V::size;
+  const A ninf = -std::numeric_limits<A>::infinity();
+  const int64_t Dvp = cpu::round_up(p.Dv, W), TK = kPagedTile;
+  static_assert(kPagedTile % 16 == 0, "whole vectors of keys");
+  std::vector<A> qbuf(p.rows * p.D), kt(p.D * TK, A(0)), vbuf(TK * Dvp, A(0));
+  std::vector<A> acc(p.rows * Dvp), m(p.rows), l(p.rows), sc(TK);
+  const int64_t ntasks = p.B * p.Hkv * p.splits;
+  for (int64_t t = next++; t < ntasks; t = next++) {
+    const int64_t sp = t % p.splits, g = (t / p.splits) % p.Hkv, b = t / (p.splits * p.Hkv);
+    const int64_t lk = p.lens[b], j_begin = sp * p.chunk, j_end = std::min(lk, j_begin + p.chunk);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const int64_t h = g * p.group + r / p.Lq, i = r % p.Lq;
+      const T* qi = p.Q + b * p.sq_b + h * p.sq_h + i * p.sq_m;
+      for (int64_t d = 0; d < p.D; ++d) qbuf[r * p.D + d] = cpu::to_acc<A>(qi[d]) * p.scale;
+    }
+    std::fill(acc.begin(), acc.end(), A(0));
+    std::fill(m.begin(), m.end(), ninf);
+    std::fill(l.begin(), l.end(), A(0));
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += TK) {
+      const int64_t n = std::min(TK, j_end - j0);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const int64_t j = j0 + jj, blk = p.table[b * p.max_blocks + j / p.block_size];
+        const T* kj = p.K + blk * p.sk_blk + (j % p.block_size) * p.sk_slot + g * p.sk_h;
+        const T* vj = p.V + blk * p.sv_blk + (j % p.block_size) * p.sv_slot + g * p.sv_h;
+        for (int64_t d = 0; d < p.D; ++d) kt[d * TK + jj] = cpu::to_acc<A>(kj[d]);
+        cpu::convert_to_acc(vj, vbuf.data() + jj * Dvp, p.Dv);
+      }
+      const int64_t nv = cpu::round_up(n, W);  // whole vectors; keys past n are masked below
+      for (int64_t r = 0; r < p.rows; ++r) {
+        const RowBand band = row_band(r % p.Lq, p.Lq, lk, p.bottom_right, p.left, p.right);
+        const int64_t lo = std::max(band.lo, j0) - j0, hi = std::min(band.hi, j0 + n - 1) - j0;
+        if (lo > hi) continue;
+        const A* q = qbuf.data() + r * p.D;
+        for (int64_t jj = 0; jj < nv; jj += W) {
+          V s(A(0));
+          for (int64_t d = 0; d < p.D; ++d) s = fma(V(q[d]), V::load(kt.data() + d * TK + jj), s);
+          s.store(sc.data() + jj);
+        }
+        A mt = ninf;
+        for (int64_t jj = lo; jj <= hi; ++jj) mt = std::max(mt, sc[jj]);
+        const A m_new = std::max(m[r], mt);
+        const A alpha = m[r] == ninf ? A(0) : cpu::sexp(m[r] - m_new);
+        A sum = 0;
+        for (int64_t jj = 0; jj < nv; jj += W) {
+          V e = cpu::vexp(V::load(sc.data() + jj) - V(m_new));
+          e.store(sc.data() + jj);
+        }
+        for (int64_t jj = 0; jj < lo; ++jj) sc[jj] = A(0);
+        for (int64_t jj = hi + 1; jj < nv; ++jj) sc[jj] = A(0);
+        for (int64_t jj = lo; jj <= hi; ++jj) sum += sc[jj];
+        A* o = acc.data() + r * Dvp;
+        for (int64_t d = 0; d < Dvp; d += W) {
+          V od = V::load(o + d) * V(alpha);
+          for (int64_t jj = lo; jj <= hi; ++jj) od = fma(V(sc[jj]), V::load(vbuf.data() + jj * Dvp + d), od);
+          od.store(o + d);
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+      }
+    }
+    for (int64_t r = 0; r < p.rows; ++r) {
+      p.pm[t * p.rows + r] = m[r];
+      p.pl[t * p.rows + r] = l[r];
+      std::copy(acc.data() + r * Dvp, acc.data() + r * Dvp + p.Dv, p.po + (t * p.rows + r) * p.Dv);
+    }
+  }
+}
+
+template <class T>
+FASTATTN_TARGET_AVX512 void paged_avx512(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  paged_worker<cpu::Vec<acc_of<T>, 64 / sizeof(acc_of<T>)>, T>(p, next);
+}
+template <class T>
+FASTATTN_TARGET_AVX2 void paged_avx2(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  paged_worker<cpu::Vec<acc_of<T>, 32 / sizeof(acc_of<T>)>, T>(p, next);
+}
+template <class T>
+void paged_default(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  paged_worker<cpu::Vec<acc_of<T>, 16 / sizeof(acc_of<T>)>, T>(p, next);
+}
+
 template <class T>
 void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                     const std::vector<int64_t>& table, int64_t max_blocks,
@@ -272,9 +370,6 @@ void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
   using A = acc_of<T>;
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t bs = kc.size(1), Hkv = kc.size(2), Dv = vc.size(3), group = H / Hkv;
-  const T* Q = q.data_ptr<T>();
-  const T* K = kc.data_ptr<T>();
-  const T* V = vc.data_ptr<T>();
   const int64_t max_len = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
   const int64_t want = 4 * at::get_num_threads();
   const int64_t splits = std::max<int64_t>(
@@ -282,38 +377,21 @@ void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
                   (max_len + kMinSplit - 1) / kMinSplit));
   const int64_t chunk = std::max<int64_t>(1, (max_len + splits - 1) / splits);
   const int64_t rows = group * Lq;
-  // Partial results per (b, kv head, split, row): running max, sum, and O (unnormalized).
   std::vector<A> pm(B * Hkv * splits * rows), pl(pm.size()), po(pm.size() * Dv);
-  const A sc_scale = static_cast<A>(scale);
-
-  run_tasks(B * Hkv * splits, [&](int64_t t) {
-    const int64_t sp = t % splits, g = (t / splits) % Hkv, b = t / (splits * Hkv);
-    const int64_t lk = lens[b], j0 = sp * chunk, j1 = std::min(lk, j0 + chunk);
-    const int64_t base = t * rows;
-    std::vector<A> sc(std::max<int64_t>(chunk, 1));
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = g * group + r / Lq, i = r % Lq;
-      const T* qi = Q + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-      A* o = po.data() + (base + r) * Dv;
-      std::fill(o, o + Dv, A(0));
-      const RowBand band = row_band(i, Lq, lk, bottom_right, left, right);
-      const int64_t lo = std::max(band.lo, j0), hi = std::min(band.hi, j1 - 1);
-      A m = -std::numeric_limits<A>::infinity(), l = 0;
-      for (int64_t j = lo; j <= hi; ++j) {
-        const int64_t blk = table[b * max_blocks + j / bs];
-        const T* kj = K + blk * kc.stride(0) + (j % bs) * kc.stride(1) + g * kc.stride(2);
-        sc[j - j0] = sc_scale * dot<T, A>(qi, kj, D);
-        m = std::max(m, sc[j - j0]);
-      }
-      for (int64_t j = lo; j <= hi; ++j) {
-        const A p = std::exp(sc[j - j0] - m);
-        l += p;
-        const int64_t blk = table[b * max_blocks + j / bs];
-        const T* vj = V + blk * vc.stride(0) + (j % bs) * vc.stride(1) + g * vc.stride(2);
-        for (int64_t d = 0; d < Dv; ++d) o[d] += p * static_cast<A>(vj[d]);
-      }
-      pm[base + r] = m;
-      pl[base + r] = l;
+  const PagedArgs<T> p{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),
+                       q.stride(0), q.stride(1), q.stride(2),
+                       kc.stride(0), kc.stride(1), kc.stride(2),
+                       vc.stride(0), vc.stride(1), vc.stride(2),
+                       B, H, Hkv, group, Lq, D, Dv, bs, max_blocks, splits, chunk, rows,
+                       table.data(), lens.data(), bottom_right, left, right, static_cast<A>(scale),
+                       pm.data(), pl.data(), po.data()};
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hkv * splits));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    switch (cpu::cpu_isa()) {
+      case cpu::Isa::kAvx512: return paged_avx512<T>(p, next);
+      case cpu::Isa::kAvx2: return paged_avx2<T>(p, next);
+      default: return paged_default<T>(p, next);
     }
   });
 
