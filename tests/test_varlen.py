@@ -188,6 +188,8 @@ def test_opcheck_triton():
     from conftest import DEVICE
 
     opcheck(torch.ops.fastattn.triton_varlen_attention_fwd.default, _op_args(DEVICE))
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in _paged_op_args())
+    opcheck(torch.ops.fastattn.triton_paged_attention_fwd.default, args, requires_grad=False)
 
 
 def _paged_op_args():
