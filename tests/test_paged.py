@@ -39,6 +39,7 @@ CASES = [
     ([9, 30], 2, 2, 1, 16, 24, 4, False, (None, None)),            # no band, Dv != D
     ([25], 4, 2, 2, 16, 16, 16, "bottom_right", (6, None)),        # sliding window
     ([2, 12], 5, 1, 1, 16, 16, 4, "top_left", None),
+    ([3, 12], 5, 2, 1, 16, 16, 4, "bottom_right", None),           # fewer keys than queries: dead rows
 ]
 
 
@@ -69,6 +70,18 @@ def test_half_precision(backend, device):
                                            seqlens.cpu().numpy())
     assert out.dtype == torch.float16
     assert_close_to_reference(out, ref_out, atol=5e-3, name="out")
+
+
+@pytest.mark.parametrize("backend,device", [p for p in BACKENDS if p.id in ("cpu", "naive")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_float64_and_bfloat16_on_cpu(backend, device, dtype):
+    q, kc, vc, table, seqlens = _paged([70, 5], 2, 4, 2, 40, 24, 16, device, dtype=dtype)
+    out, lse = fastattn.paged_attention(q, kc, vc, table, seqlens, return_lse=True, backend=backend)
+    ref_out, ref_lse = reference.paged_attention(to_numpy(q), to_numpy(kc), to_numpy(vc), table.cpu().numpy(),
+                                                 seqlens.cpu().numpy())
+    assert out.dtype == dtype
+    assert_close_to_reference(out, ref_out, atol=None if dtype == torch.float64 else 3e-2, name="out")
+    assert_close_to_reference(lse, ref_lse, atol=1e-4 if dtype == torch.float64 else 3e-2, name="lse")
 
 
 @pytest.mark.skipif("triton" not in fastattn.available_backends(), reason="triton unavailable")
