@@ -1,9 +1,14 @@
 # make bench: install, then run the main job (the benchmark against naive and PyTorch).
 # make test:  install, then run the test suite (what CI runs).
+# make aot:   the Hopper compile gate, quick (CI): Triton kernels compiled for sm_90 with the GPU
+#             image's Triton, in a venv of its own; make aot-full: every config the pruners keep.
 PY ?= python3
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/include/*/*.h)
 
-.PHONY: install bench test check-cuda
+# The Triton version of the GPU image (docs/benchmarking.md): the gate compiles with it.
+AOT_TRITON ?= 3.6.0
+
+.PHONY: install bench test check-cuda aot aot-full
 
 .install: $(SOURCES)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
@@ -23,3 +28,14 @@ test: .install
 # Compile every CUDA source with nvcc (compile only: no GPU needed), as CI does.
 check-cuda: .install
 	$(PY) .ci/compile_cuda.py
+
+.venv-aot/.ok-$(AOT_TRITON): .install
+	$(PY) -m venv --system-site-packages .venv-aot
+	.venv-aot/bin/python -m pip install -q "triton==$(AOT_TRITON)"
+	touch $@
+
+aot: .venv-aot/.ok-$(AOT_TRITON)
+	.venv-aot/bin/python -m fastattn.aot --triton --quick
+
+aot-full: .venv-aot/.ok-$(AOT_TRITON)
+	.venv-aot/bin/python -m fastattn.aot --triton --json aot-full.json

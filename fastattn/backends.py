@@ -56,8 +56,10 @@ class Backend:
 
 
 def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1), e.g. on a CPU machine."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET as Triton reads it), e.g.
+    on a CPU machine."""
+    from fastattn.kernels.tuning import interpreting as triton_interpreting
+    return triton_interpreting()
 
 
 @functools.cache

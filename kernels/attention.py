@@ -31,8 +31,10 @@ visited, and tiles fully inside it (no padding keys, nor padding queries where t
 without band or bounds arithmetic. A mask tensor, when given, is read through its four strides
 (stride 0 on broadcast dimensions) in every tile.
 
-Block sizes, warps and stages are autotuned on GPU (keys: Lq, Lk, head dims, dtypes, mask, band,
-dropout and descriptor flags); under TRITON_INTERPRET a single 16 x 16 config is used.
+Block sizes, warps and stages are autotuned on GPU (keys: Lq and Lk rounded up to powers of two
+(``kernels.tuning.bucket``), head dims, dtypes, mask, band, dropout and descriptor flags); under
+TRITON_INTERPRET a single 16 x 16 config is used. The pruner keeps configs whose live tile values
+fit the registers (no spills for sm_90; ``python -m fastattn.aot`` checks every kept config).
 
 Hopper path (USE_TMA): the q/k/v/dO row tiles are read through tensor descriptors built in the
 kernel over each (batch, head) slice, so Triton issues TMA bulk copies, and rows or columns past
@@ -54,6 +56,7 @@ within one (batch, head) slice must fit in int32. The pointer kernels run on eve
 Triton supports; the descriptor path has been checked under the interpreter only so far.
 """
 
+import functools
 import inspect
 import logging
 import math
@@ -74,8 +77,7 @@ _LN2 = tl.constexpr(0.6931471805599453)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in (
-    "1", "true", "yes", "on", "y")
+_INTERPRET = tuning.INTERPRET
 _HAS_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor")
 _HAS_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 # Triton's CPU interpreter multiplies the raw uint16 bits of bfloat16 dot operands
@@ -95,54 +97,117 @@ def _configs(gpu_shapes, interpret_shape, **extra):
 
 
 # Warp-specialized variants exist only on GPUs and where tl.range takes the keyword; _prune
-# keeps them only where they may run.
+# keeps them only where they may run. Only 4-warp WS configs: Triton (3.6) does not specialize
+# the 8-warp one (its SASS has no setmaxnreg; fastattn.aot checks).
 _FWD_CONFIGS = _configs(
     [
         (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-        (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3),
-        (16, 128, 4, 3), (32, 32, 4, 1), (16, 32, 4, 1),
+        (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 3),
+        (16, 64, 4, 3), (16, 128, 4, 3), (32, 32, 4, 1), (16, 32, 4, 1),
     ],
     (16, 16, 4, 1), WARP_SPECIALIZE=False,
-) + (_configs([(128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 2)], None, WARP_SPECIALIZE=True)
+) + (_configs([(128, 64, 4, 3), (128, 128, 4, 2)], None, WARP_SPECIALIZE=True)
      if _HAS_WARP_SPECIALIZE and not _INTERPRET else [])
 _DKDV_CONFIGS = _configs(
     [
-        (32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3),
-        (32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1),
+        (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3),
+        (64, 64, 4, 3), (16, 64, 4, 3), (32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 4, 1),
+        (16, 32, 4, 1), (32, 16, 8, 2),
     ],
     (16, 16, 4, 1),
 )
 _DQ_CONFIGS = _configs(
     [
-        (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 3),
-        (16, 64, 4, 3), (16, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1),
+        (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2),
+        (32, 64, 4, 3), (16, 64, 4, 3), (16, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1),
     ],
     (16, 16, 4, 1),
 )
+
+# Register budget per kernel, in live tile values per thread (a float32 value is one register,
+# a 16-bit one half): what each program keeps across its key/query loop, divided by its
+# threads. The limits are the largest that compile without spills for sm_90 (fastattn.aot
+# checks every kept config): forward 160 (bf16 D64 128x64 w4 = 160 holds, D128 = 256 spills),
+# dK/dV 136 (D64 32x128 w8 = 136 holds; D64 64x128 w8 = 176 and D128 64x64 w8 = 160 spill),
+# dQ 160 (D128 128x64 w8 = 192 spills on the pointer path). The pointer path at head dims > 128
+# also holds 256-wide pointer tensors: there a budget is POINTER_WIDE of that (D256 forward
+# 64x64 w8 = 112, dK/dV 32x32 w8 = 136 and dQ 64x64 w8 = 160 spilled 4-104 B).
+_VALUES_PER_THREAD = {"fwd": 160, "dkdv": 136, "dq": 160}
+_POINTER_WIDE = 0.65
+# Shared memory a block may have on sm_90 (227 KiB): the streamed tiles times num_stages plus the
+# resident ones (bf16 D256 dQ 64x64 with 3 stages asked 257 KiB and cannot launch).
+_SHARED_BYTES = 227 * 1024
+
+
+def _shared_bytes(kernel, bm, bn, block_d, block_dv, elem_bytes, stages):
+    """Shared memory of one program: the key/value (dK/dV: query/dO) tiles of every pipeline
+    stage, and the tiles that stay (forward: q; dQ: q and dO; dK/dV: k and v)."""
+    width = (block_d + block_dv) * elem_bytes
+    if kernel == "dkdv":
+        return stages * bm * width + bn * width
+    resident = block_d if kernel == "fwd" else block_d + block_dv
+    return stages * bn * width + bm * resident * elem_bytes
+
+
+def _live_values(kernel, bm, bn, block_d, block_dv, elem_bytes, warps):
+    """Live values per thread of one program of ``kernel`` with a BM x BN tile."""
+    half = elem_bytes / 4   # registers per input element
+    if kernel == "fwd":     # acc (BM x DV), scores/probabilities (BM x BN), q (BM x D)
+        live = bm * block_dv + bm * bn + bm * block_d * half
+    elif kernel == "dkdv":  # dk, dv accumulators, k and v tiles, scores and dS, q and dO tiles
+        live = (bn * (block_d + block_dv) * (1 + half) + 2 * bm * bn
+                + bm * (block_d + block_dv) * half)
+    else:                   # dq accumulator, q and dO tiles, scores and dS
+        live = bm * block_d + bm * (block_d + block_dv) * half + 2 * bm * bn
+    return live / (32 * warps)
+
+
+def _plain_copy(config):
+    return triton.Config({**config.kwargs, "WARP_SPECIALIZE": False},
+                         num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _prune(configs, named_args, kernel, **kwargs):
+    """Configs of ``kernel`` ("fwd", "dkdv", "dq") worth timing for this launch: query tiles not
+    much taller than Lq (decoding), live values per thread within the kernel's register budget
+    (:data:`_VALUES_PER_THREAD`, less on the pointer path at head dims > 128; no spills), tiles
+    within the shared memory of a block, more than one stage unless the head dim is > 128.
+    Warp-specialized configs (Triton places their registers itself; fastattn.aot checks them)
+    stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
+    specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
+    specialization handles), where :func:`_warp_specialize_ok`.
+    Never returns nothing (the config with the fewest live values); only the first config when
+    autotuning is off (kernels.tuning)."""
+    args = {**named_args, **kwargs}
+    rows = max(16, args["lq_bucket"])
+    wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
+    elem_bytes = args["Q"].element_size()
+    ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
+             and elem_bytes == 2 and _warp_specialize_ok())
+
+    def live(c):
+        return _live_values(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
+                            args["BLOCK_DV"], elem_bytes, c.num_warps)
+
+    def fits_shared(c):
+        return _shared_bytes(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
+                             args["BLOCK_DV"], elem_bytes, c.num_stages) <= _SHARED_BYTES
+
+    limit = _VALUES_PER_THREAD[kernel] * (_POINTER_WIDE if wide and not args["USE_TMA"] else 1)
+    plain = ([c for c in configs if not c.kwargs.get("WARP_SPECIALIZE", False)]
+             or [_plain_copy(c) for c in configs])  # WS-only lists run as the plain loop
+    kept = [c for c in plain
+            if c.kwargs["BLOCK_M"] <= rows and live(c) <= limit and fits_shared(c)
+            and (wide or c.num_stages > 1)]
+    if ws_ok:  # after the plain ones: the first kept config is what runs untuned (the tests)
+        kept += [c for c in configs if c.kwargs.get("WARP_SPECIALIZE", False)
+                 and c.kwargs["BLOCK_M"] <= rows and not wide]
+    return tuning.limit(kept or [min(plain, key=live)])
+
+
 _PRE_BLOCK_M = 16 if _INTERPRET else 64
 
 _BAND_KEYS = ["HEAD_DIM", "HEAD_DIM_V", "HAS_MASK", "LO_BOUNDED", "HI_BOUNDED", "HAS_DROPOUT"]
-
-
-def _prune(configs, named_args, **kwargs):
-    """Drop query tiles much taller than Lq (decoding); for head dims > 128 keep only tiles of at
-    most 64 x 64, else drop the single-stage fallbacks meant for them. Warp-specialized configs
-    stay only on the descriptor path, without a mask tensor or dropout (the plain loop that
-    Triton's automatic warp specialization handles), where :func:`_warp_specialize_ok`.
-    Never returns nothing; only the first config when autotuning is off (kernels.tuning)."""
-    args = {**named_args, **kwargs}
-    rows = max(16, triton.next_power_of_2(int(args["Lq"])))
-    wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
-    ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
-             and _warp_specialize_ok())
-    plain = [c for c in configs if not c.kwargs.get("WARP_SPECIALIZE", False)]
-    kept = [
-        c for c in (configs if ws_ok else plain)
-        if c.kwargs["BLOCK_M"] <= rows
-        and (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 if wide else c.num_stages > 1)
-    ]
-    return tuning.limit(
-        kept or [min(plain, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,9 +410,9 @@ def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_d
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "USE_TMA"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.autotune(configs=_FWD_CONFIGS, key=["lq_bucket", "lk_bucket", *_BAND_KEYS, "USE_TMA"],
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="fwd")})
+@triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask,
     stride_q_b, stride_q_h, stride_q_m,
@@ -355,7 +420,7 @@ def _attn_fwd_kernel(
     stride_v_b, stride_v_h, stride_v_n,
     stride_o_b, stride_o_h, stride_o_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    H, GROUP, Lq, Lk, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
+    H, GROUP, Lq, Lk, lq_bucket, lk_bucket, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -380,24 +445,34 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, 0, t1,
-        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
-        band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, USE_TMA,
-        False)
-    acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t1, t2,
-        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
-        band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False, USE_TMA,
-        WARP_SPECIALIZE)
-    acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t2, num,
-        stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
-        band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-        MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, USE_TMA,
-        False)
+    if WARP_SPECIALIZE:
+        # One loop over every key tile, each masked as an edge tile: Triton (3.6) cannot
+        # warp-specialize a loop that has sibling loops in the kernel.
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, 0, num,
+            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, USE_TMA,
+            True)
+    else:
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, 0, t1,
+            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True,
+            USE_TMA, False)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t1, t2,
+            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False,
+            USE_TMA, False)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t2, num,
+            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True,
+            USE_TMA, False)
 
     dead = l_i == 0.0
     l_safe = tl.where(dead, 1.0, l_i)
@@ -472,9 +547,9 @@ def _dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "USE_TMA"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.autotune(configs=_DKDV_CONFIGS, key=["lq_bucket", "lk_bucket", *_BAND_KEYS, "USE_TMA"],
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="dkdv")})
+@triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, Mask,
     stride_q_b, stride_q_h, stride_q_m,
@@ -484,8 +559,8 @@ def _attn_bwd_dkdv_kernel(
     stride_dk_b, stride_dk_h, stride_dk_n,
     stride_dv_b, stride_dv_h, stride_dv_n,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    H, GROUP, Lq, Lk, scale, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, GROUP, Lq, Lk, lq_bucket, lk_bucket, scale, qk_scale, band_lo, band_hi, seed, threshold,
+    rcp_keep, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -603,9 +678,10 @@ def _store_zero_columns(dmask_base, offs_m, n_begin, n_end, Lq, Lk, BLOCK_M: tl.
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < tl.minimum(n_end, Lk)))
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=["Lq", "Lk", *_BAND_KEYS, "NEED_DMASK", "USE_TMA"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.autotune(configs=_DQ_CONFIGS,
+                 key=["lq_bucket", "lk_bucket", *_BAND_KEYS, "NEED_DMASK", "USE_TMA"],
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="dq")})
+@triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DMask, Mask,
     stride_q_b, stride_q_h, stride_q_m,
@@ -614,8 +690,8 @@ def _attn_bwd_dq_kernel(
     stride_do_b, stride_do_h, stride_do_m,
     stride_dq_b, stride_dq_h, stride_dq_m,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    H, GROUP, Lq, Lk, scale, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, GROUP, Lq, Lk, lq_bucket, lk_bucket, scale, qk_scale, band_lo, band_hi, seed, threshold,
+    rcp_keep, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -700,7 +776,7 @@ def _tma_mode():
 
 
 def _hopper_or_newer():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return tuning.capability()[0] >= 9
 
 
 def _tma_aligned(x):
@@ -923,7 +999,8 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *mask_strides,
-        H, H // Hkv, Lq, Lk, scale * _LOG2E.value, band_lo, band_hi, seed32, threshold, rcp_keep,
+        H, H // Hkv, Lq, Lk, tuning.bucket(Lq), tuning.bucket(Lk), scale * _LOG2E.value, band_lo,
+        band_hi, seed32, threshold, rcp_keep,
     )
     consts = dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D), BLOCK_DV=_head_block(Dv),
@@ -981,8 +1058,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         HAS_MASK=has_mask, MASK_BOOL=mask_bool, LO_BOUNDED=lo_bounded, HI_BOUNDED=hi_bounded,
         HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype),
     )
-    scalars = (H, H // Hkv, Lq, Lk, scale, scale * _LOG2E.value, band_lo, band_hi, seed32,
-               threshold, rcp_keep)
+    scalars = (H, H // Hkv, Lq, Lk, tuning.bucket(Lq), tuning.bucket(Lk), scale,
+               scale * _LOG2E.value, band_lo, band_hi, seed32, threshold, rcp_keep)
 
     pre_grid = (triton.cdiv(Lq, _PRE_BLOCK_M) * B * H,)
     torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[pre_grid](

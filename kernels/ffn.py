@@ -36,7 +36,8 @@ Backward recomputes ``act`` from the stored ``pre`` rather than keeping ``a``; f
 for the second matmul, as a temporary freed on return. Forward applies ``act`` to ``pre`` rounded
 to the storage dtype, so the ``a`` recomputed in backward is the ``a`` used in forward.
 
-Tile sizes: autotuned on GPU (key: M, N, K, the epilogue flags and the operand dtypes; configs
+Tile sizes: autotuned on GPU (key: M, N, K rounded up to powers of two (``kernels.tuning.bucket``),
+the epilogue flags and the operand dtypes; configs
 whose activation epilogue would spill registers are pruned first); under ``TRITON_INTERPRET=1`` a
 single small fixed config (decided once at import).
 
@@ -49,7 +50,6 @@ same results: 16-bit products are exact in float32.
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -77,7 +77,7 @@ _THREE_GELU_TANH_C: tl.constexpr = tl.constexpr(3 * 0.044715)
 _TWO_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_INTERPRET = tuning.INTERPRET
 
 if _INTERPRET:
     _CONFIGS = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4})]
@@ -106,14 +106,15 @@ assert all(c.kwargs["BLOCK_M"] % PARTIAL_ROWS == 0 for c in _CONFIGS)
 def _prune_configs(configs, named_args, **kwargs):
     """Drop tiles whose activation epilogue would spill registers (checked with ptxas, sm_90).
 
-    Plain products keep every config; an activation epilogue keeps <= 64 accumulator values per
-    thread, the gated activation-gradient epilogue (two pre tiles, three outputs) <= 32. Only
-    the first kept config when autotuning is off (kernels.tuning).
+    Plain products keep every config; a forward activation epilogue keeps <= 64 accumulator
+    values per thread, an activation-gradient epilogue (it also loads the pre tile(s) and writes
+    two outputs) <= 32, gated or not (non-gated 128x128 with 8 warps = 64 spilled 724 B).
+    Only the first kept config when autotuning is off (kernels.tuning).
     """
     args = {**named_args, **kwargs}
     if args["ACTIVATION"] == _IDENTITY.value:
         return tuning.limit(configs)
-    per_thread = 32 if args["GATED"] and args["ACT_GRAD"] else 64
+    per_thread = 32 if args["ACT_GRAD"] else 64
     fits = [c for c in configs
             if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= per_thread * 32 * c.num_warps]
     return tuning.limit(fits)
@@ -172,12 +173,13 @@ def _store_column_partials(Partial, vals, tile_mask, pid_m, rn, n_ok, n_groups,
 
 
 @triton.autotune(configs=_CONFIGS,
-                 key=["M", "N", "K", "HAS_BIAS", "ACTIVATION", "GATED", "ACT_GRAD", "COLSUM"],
+                 key=["m_bucket", "n_bucket", "k_bucket", "HAS_BIAS", "ACTIVATION", "GATED",
+                      "ACT_GRAD", "COLSUM"],
                  prune_configs_by={"early_config_prune": _prune_configs})
-@triton.jit
+@triton.jit(do_not_specialize=["m_bucket", "n_bucket", "k_bucket"])
 def _matmul_kernel(
     A, B, C, Bias, Pre, Act, Partial,
-    M, N, K, n_groups, b_up_offset,
+    M, N, K, m_bucket, n_bucket, k_bucket, n_groups, b_up_offset,
     stride_a_m, stride_a_k, stride_b_k, stride_b_n, stride_c_m,
     stride_pre_m, stride_pre_n, stride_act_m, stride_partial_row,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
@@ -289,7 +291,8 @@ def _matmul(a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
     pre_strides = pre.stride() if pre is not None else (0, 0)
     torch.library.wrap_triton(_matmul_kernel)[grid](
         a, b, c, bias, pre, act, partial,
-        M, n, K, partial.shape[0] if partial is not None else 0,
+        M, n, K, tuning.bucket(M), tuning.bucket(n), tuning.bucket(K),
+        partial.shape[0] if partial is not None else 0,
         n * b.stride(1) if gated and not act_grad else 0,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
         pre_strides[0], pre_strides[1],

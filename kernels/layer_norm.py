@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
+
 __all__ = ["layer_norm_fwd", "layer_norm_bwd", "FWD_MAX_FUSED_BYTES", "BWD_MAX_FUSED_N"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -323,19 +325,6 @@ def _layer_norm_bwd_looped_kernel(
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
-_SM_COUNT = {}
-
-
-def _num_sms(device):
-    """Multiprocessor count of a CUDA device; 1 elsewhere (the interpreter runs programs
-    one after the other, so fewer, larger programs are faster there)."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
 
 def _num_warps(elems, elems_per_thread):
     """Warps for a tile of `elems` elements at about `elems_per_thread` each (1 to 16)."""
@@ -422,7 +411,7 @@ def layer_norm_fwd(x, residual, weight, bias, eps, rms):
 
     if N <= _fwd_fused_limit(x.dtype):
         block_n = triton.next_power_of_2(N)
-        block_m = _rows_per_tile(block_n, M, _num_sms(x.device))
+        block_m = _rows_per_tile(block_n, M, tuning.num_sms(x.device))
         grid = (triton.cdiv(M, block_m),)
         torch.library.wrap_triton(_layer_norm_fwd_kernel)[grid](
             x, res_arg, w_arg, b_arg, y, h_arg, mean_arg, rstd,
@@ -473,7 +462,7 @@ def layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask):
         dbias = torch.zeros_like(weight) if compute_db else h.new_empty((0,))
         return dx, dweight, dbias
 
-    num_sms = _num_sms(h.device)
+    num_sms = tuning.num_sms(h.device)
     looped = N > BWD_MAX_FUSED_N
     if looped:
         block_n, block_m, num_warps = _LOOP_BLOCK_N, 1, _LOOP_NUM_WARPS

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
+
 __all__ = ["rope_fwd"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -90,20 +92,6 @@ def _rope_kernel(
                      mask=mask)
 
 
-_SM_COUNT = {}
-
-
-def _num_sms(device):
-    """Multiprocessor count of a CUDA device; 1 elsewhere (the interpreter runs programs one after
-    the other, so fewer, larger programs are faster there)."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 def _check(name, t, *, dtypes, dim):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -160,7 +148,7 @@ def rope_fwd(x, cos, sin, positions, interleaved, inverse):
     block_half = triton.next_power_of_2(half)
     block_l = max(1, min(triton.next_power_of_2(L), _TILE_ELEMS // (2 * block_half)))
     l_blocks = triton.cdiv(L, block_l)
-    target = _PROGRAMS_PER_SM * _num_sms(x.device)
+    target = _PROGRAMS_PER_SM * tuning.num_sms(x.device)
     heads = H
     while heads > 1 and l_blocks * B * triton.cdiv(H, heads) < target:
         heads = triton.cdiv(heads, 2)

@@ -1,17 +1,72 @@
-"""The autotuning switch shared by the kernel modules.
+"""What the kernel modules share about the GPU they plan launches for, and autotuning.
 
 ``FASTATTN_AUTOTUNE=0`` (read at import; ``AUTOTUNE`` is assignable) makes every autotuned
 kernel run the first config its pruner keeps instead of timing all of them: one compile per
 shape rather than one per config. The GPU test suite sets it (tests/conftest.py) so that its
 many small shapes do not each autotune; benchmarks and users keep the default, full tuning.
+
+``TARGET`` is the GPU that launch plans (grid sizes from the SM count, Hopper-only paths) are
+made for when none is present: ``fastattn.aot`` compiles every launch for an H100 this way on a
+machine without a GPU. ``None`` (the default) means the current device.
 """
 
 import os
+
+import torch
 
 AUTOTUNE = os.environ.get("FASTATTN_AUTOTUNE", "1").strip().lower() not in (
     "0", "false", "no", "off")
 
 
+
+def interpreting():
+    """TRITON_INTERPRET as Triton itself reads it (now)."""
+    try:
+        from triton import knobs
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # no Triton, or one without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+
+
+#: Whether Triton runs kernels on the CPU: TRITON_INTERPRET as Triton itself reads it, at import.
+INTERPRET = interpreting()
+
+#: ``None``, or ``{"capability": (major, minor), "sms": count}`` to plan for without a GPU.
+TARGET = None
+
+_SM_COUNT = {}
+
+
 def limit(configs):
     """The pruned ``configs`` themselves, or only the first one when autotuning is off."""
     return list(configs) if AUTOTUNE else list(configs)[:1]
+
+
+def bucket(n):
+    """The autotuning key of a size: the next power of two (1 for 0). Kernels take it as an
+    extra argument keyed on instead of the exact size, so a generation loop over lengths
+    1..4096 tunes 13 times, not 4096; the pruners depend on sizes only through it."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def num_sms(device):
+    """Multiprocessor count of a CUDA device (of TARGET when set); 1 elsewhere (the interpreter
+    runs programs one after the other, so fewer, larger programs are faster there)."""
+    if TARGET is not None:
+        return TARGET["sms"]
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def capability():
+    """Compute capability ``(major, minor)`` of TARGET or of the current CUDA device; ``(0, 0)``
+    without one."""
+    if TARGET is not None:
+        return tuple(TARGET["capability"])
+    if not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability()

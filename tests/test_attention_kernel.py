@@ -283,11 +283,12 @@ def test_tma_failure_falls_back_once(monkeypatch):
 def test_warp_specialized_configs_only_where_allowed(monkeypatch):
     configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "WARP_SPECIALIZE": ws},
                              num_warps=4, num_stages=3) for ws in (False, True)]
-    args = dict(BLOCK_D=64, BLOCK_DV=64, USE_TMA=True, HAS_MASK=False, HAS_DROPOUT=False)
+    args = dict(BLOCK_D=64, BLOCK_DV=64, USE_TMA=True, HAS_MASK=False, HAS_DROPOUT=False,
+                Q=torch.empty(0, dtype=torch.bfloat16), lq_bucket=4096)
 
     def kept(ok, **changes):
         monkeypatch.setattr(attn, "_warp_specialize_ok", lambda: ok)
-        return [c.kwargs["WARP_SPECIALIZE"] for c in attn._prune(configs, {"Lq": 4096},
+        return [c.kwargs["WARP_SPECIALIZE"] for c in attn._prune(configs, {}, kernel="fwd",
                                                                  **{**args, **changes})]
 
     assert kept(True) == [False, True]
@@ -295,6 +296,46 @@ def test_warp_specialized_configs_only_where_allowed(monkeypatch):
     assert kept(True, USE_TMA=False) == [False]
     assert kept(True, HAS_MASK=True) == [False]
     assert kept(True, HAS_DROPOUT=True) == [False]
+
+
+def test_warp_specialized_only_configs_run_plain_where_not_allowed(monkeypatch):
+    """A config list holding only warp-specialized variants (as test_warp_specialized_loop
+    sets up) runs them as the plain loop once warp specialization is off, never nothing."""
+    ws = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "WARP_SPECIALIZE": True}, num_warps=4,
+                       num_stages=3)
+    monkeypatch.setattr(attn, "_warp_specialize_ok", lambda: False)
+    kept = attn._prune([ws], {}, kernel="fwd", BLOCK_D=64, BLOCK_DV=64, USE_TMA=True,
+                       HAS_MASK=False, HAS_DROPOUT=False, Q=torch.empty(0), lq_bucket=4096)
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["WARP_SPECIALIZE"]) for c in kept] == [(64, False)]
+
+
+@pytest.mark.parametrize("kernel, dtype, d, dropped, first", [
+    # what fastattn.aot measured for sm_90 with Triton 3.6: these spill, the first kept does not
+    ("fwd", torch.bfloat16, 128, (128, 64, 4), (128, 64, 8)),
+    ("dkdv", torch.bfloat16, 128, (32, 128, 8), (64, 64, 8)),
+    ("dkdv", torch.bfloat16, 64, (64, 128, 8), (32, 128, 8)),
+    ("dq", torch.bfloat16, 128, (128, 64, 8), (128, 32, 8)),
+    ("fwd", torch.bfloat16, 256, (64, 64, 8), (16, 64, 4)),  # pointer path, 256-wide pointers
+])
+def test_pruner_drops_configs_that_spill(kernel, dtype, d, dropped, first):
+    gpu = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": False}, num_warps=w,
+                         num_stages=3) for bm, bn, w in (dropped, first)]
+    kept = attn._prune(gpu, {}, kernel=kernel, BLOCK_D=d, BLOCK_DV=d, USE_TMA=False,
+                       HAS_MASK=False, HAS_DROPOUT=False, Q=torch.empty(0, dtype=dtype),
+                       lq_bucket=4096)
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept] == [first]
+
+
+def test_autotune_keys_bucket_lengths():
+    """Autotuning is keyed on lengths rounded up to powers of two, so a generation loop over
+    lengths 1..4096 tunes each kernel 13 times rather than 4096."""
+    from fastattn.kernels import ffn, tuning
+
+    assert [tuning.bucket(n) for n in (0, 1, 2, 3, 17, 4096, 4097)] == [1, 1, 2, 4, 32, 4096, 8192]
+    assert len({tuning.bucket(n) for n in range(1, 4097)}) == 13
+    for kernel in (attn._attn_fwd_kernel, attn._attn_bwd_dkdv_kernel, attn._attn_bwd_dq_kernel):
+        assert "Lq" not in kernel.keys and "lq_bucket" in kernel.keys
+    assert "M" not in ffn._matmul_kernel.keys and "m_bucket" in ffn._matmul_kernel.keys
 
 
 def test_warp_specialized_loop(monkeypatch):
@@ -326,7 +367,8 @@ def test_autotune_off_keeps_the_first_pruned_config(monkeypatch):
 
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 64}, num_warps=4, num_stages=3)
                for bm in (128, 64, 32)]
-    args = dict(BLOCK_D=64, BLOCK_DV=64, USE_TMA=False, HAS_MASK=False, HAS_DROPOUT=False)
-    assert len(attn._prune(configs, {"Lq": 40}, **args)) == 2  # 128-row tiles dropped
+    args = dict(BLOCK_D=64, BLOCK_DV=64, USE_TMA=False, HAS_MASK=False, HAS_DROPOUT=False,
+                Q=torch.empty(0, dtype=torch.bfloat16), lq_bucket=tuning.bucket(40), kernel="fwd")
+    assert len(attn._prune(configs, {}, **args)) == 2  # 128-row tiles dropped
     monkeypatch.setattr(tuning, "AUTOTUNE", False)
-    assert [c.kwargs["BLOCK_M"] for c in attn._prune(configs, {"Lq": 40}, **args)] == [64]
+    assert [c.kwargs["BLOCK_M"] for c in attn._prune(configs, {}, **args)] == [64]

@@ -41,6 +41,7 @@ class Row:
     features: tuple[str, ...] = ()
     spill_budget: int = 0        # bytes of spill stores + loads allowed
     required: tuple[str, ...] = ()   # features the SASS must hold
+    smem_limit: int = 0              # bytes of shared memory a block may have (0: unchecked)
     error: str = ""              # compile error, empty when it compiled
 
     @property
@@ -55,6 +56,9 @@ class Row:
         if self.spills > self.spill_budget:
             found.append(f"spills {self.spill_stores}/{self.spill_loads} B over the budget "
                          f"of {self.spill_budget} B")
+        if self.smem_limit and self.smem > self.smem_limit:
+            found.append(f"shared memory {self.smem} B over the {self.smem_limit} B a block "
+                         f"may have")
         missing = [f for f in self.required if f not in self.features]
         if missing:
             found.append(f"SASS lacks {', '.join(missing)}")
@@ -142,14 +146,14 @@ def print_table(rows: list[Row], title: str = "") -> None:
     """One line per row, then totals."""
     if title:
         print(title)
-    header = f"{'kernel':34} {'case':30} {'config':18} {'regs':>4} {'spill st/ld':>12} " \
+    header = f"{'kernel':34} {'case':38} {'config':18} {'regs':>4} {'spill st/ld':>12} " \
              f"{'smem':>7} {'status':6} features / problems"
     print(header)
     print("-" * len(header))
     for r in rows:
         spill = f"{r.spill_stores}/{r.spill_loads}"
         note = ", ".join(r.problems) or " ".join(r.features)
-        print(f"{r.kernel[:34]:34} {r.case[:30]:30} {r.config[:18]:18} "
+        print(f"{r.kernel[:34]:34} {r.case[:38]:38} {r.config[:18]:18} "
               f"{'' if r.regs is None else r.regs:>4} {spill:>12} {r.smem:>7} {r.status:6} {note}")
     print(summary(rows))
 

@@ -1,0 +1,352 @@
+"""The staged GPU protocol: what a session with a lent GPU runs, one device call per stage group.
+
+GPU time comes by chance, 30 minutes a session, at most 10 minutes a call, on a bare offline machine
+(docs/benchmarking.md). So the work is cut into calls that each end by themselves inside ~8
+minutes (every step has its own timeout), and results are packed into ``$OUT`` after every step,
+so a call cut short still returns what it did. The plan, in the order a session runs it::
+
+    python bench/gpu_protocol.py plan              # the calls and their budgets
+    python bench/gpu_protocol.py triton            # call 1: no build; Triton kernels first
+    python bench/gpu_protocol.py cuda              # call 2: build the extension, CUDA kernels
+    python bench/gpu_protocol.py bench             # call 3: the quick benchmark
+    python bench/gpu_protocol.py rest              # call 4: the rest of the test suite
+    python bench/gpu_protocol.py sanitize          # call 5: compute-sanitizer
+    python bench/gpu_protocol.py full              # call 6, when time is left: the full grid
+    python bench/gpu_protocol.py --dry-run all     # print every step; run nothing (CI runs it)
+
+Each call writes ``bench/results/gpu-<date>/<call>/`` (logs, junit XML, bench JSON, a
+``steps.json`` of statuses and times) and, when ``$OUT`` is set, ``$OUT/<call>.tgz`` plus
+``$OUT/<call>-summary.txt``. Unpack the tarballs under bench/results/ here and commit them.
+Every call installs the package first and, where it uses the CUDA kernels, builds the extension
+unless it is there (the machine keeps build outputs only while it stays warm, 30 s).
+``--smoke OP BACKEND`` is the one-shape check that the first calls run once per kernel, each in
+its own process, so a fault costs one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CALL_BUDGET_S = 480          # every call's steps end within this (the tool allows 600)
+OPS = ("attention", "softmax", "layer_norm", "ffn", "rope")
+KERNEL_TESTS = ["tests/test_attention_kernel.py"]
+PY = sys.executable
+
+
+@dataclasses.dataclass
+class Step:
+    name: str
+    cmd: list[str]
+    timeout: int                          # seconds; the step is killed after it
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _pytest(*args, junit=None, workers=None, timeout=None):
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--maxfail=25",
+           "--durations=10", *args]
+    if workers and _has_module("xdist"):
+        cmd += ["-n", str(workers)]
+    if timeout and _has_module("pytest_timeout"):
+        cmd += [f"--timeout={timeout}"]
+    if junit:
+        cmd += [f"--junitxml={{out}}/{junit}.xml"]
+    return cmd
+
+
+def _has_module(name):
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+def _smokes(backend):
+    """One step per op; Triton's include compiling the op's kernels (one config each)."""
+    env = {"FASTATTN_AUTOTUNE": "0", **({} if backend == "cuda" else _NO_EXT)}
+    timeouts = {"attention": 45, "ffn": 30} if backend == "triton" else {}
+    return [Step(f"smoke-{backend}-{op}", [PY, "bench/gpu_protocol.py", "--smoke", op, backend],
+                 timeouts.get(op, 20 if backend == "triton" else 15), env) for op in OPS]
+
+
+_NO_EXT = {"FASTATTN_NO_EXTENSION": "1"}
+_BLOCKING = {"CUDA_LAUNCH_BLOCKING": "1", "FASTATTN_TRITON_TMA": "0"}
+# The machine is bare unless it stayed warm since the last call: every call installs the package
+# (editable, no extension: seconds), and calls that use the CUDA kernels build the extension
+# unless an earlier call on this machine did (sm_90a only: a third of the default compile time).
+_INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                            "-e", "."], 60, _NO_EXT)
+_BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} -m pip "
+                        "install -q --no-build-isolation --no-deps -e ."], 200,
+              {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "16"})
+_CLI = [PY, "-m", "fastattn.cli"]
+_QUICK_BENCH = ["--op", "attention", "--d", "64,128", "--seq", "1024,4096,16384", "--mask", "none",
+                "--budget", "0.1"]
+
+# The calls, in the order a session makes them; each one's steps fit CALL_BUDGET_S.
+CALLS: dict[str, list[Step]] = {
+    # 1. Triton only, no CUDA build: versions, info, one shape of every kernel (a process each),
+    #    the kernel tests on the pointer path with blocking launches, then the descriptor (TMA)
+    #    tests one process each, so an asynchronous TMA fault poisons one test, not the rest.
+    "triton": [
+        _INSTALL,
+        Step("versions", ["bash", "-c", "nvidia-smi; nvcc --version; " + PY + " -c 'import sys, "
+                          "torch, triton; print(sys.version); print(torch.__version__, "
+                          "torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'"
+                          "; pip list 2>/dev/null | grep -iE 'torch|triton|xdist|timeout'"], 20),
+        Step("info", [*_CLI, "info"], 20, _NO_EXT),
+        *_smokes("triton"),
+        Step("test-kernels-pointer", _pytest(*KERNEL_TESTS, "-k", "not tma",
+                                             junit="kernels-pointer", timeout=100), 130,
+             {**_NO_EXT, **_BLOCKING}),
+        Step("test-kernels-tma", [PY, "bench/gpu_protocol.py", "--isolated", "{out}",
+                                  *KERNEL_TESTS, "-k", "tma"], 100, _NO_EXT),
+    ],
+    # 2. The CUDA extension, its kernels' smoke and GPU tests with blocking launches.
+    "cuda": [
+        _INSTALL, _BUILD,
+        Step("info", [*_CLI, "info"], 15),
+        *_smokes("cuda"),
+        Step("test-cuda", _pytest("tests/test_cuda_kernels.py", junit="cuda", workers=8,
+                                  timeout=100), 120, {"CUDA_LAUNCH_BLOCKING": "1"}),
+    ],
+    # 3. The quick benchmark: attention D64/D128, L 1k-16k, fwd and fwd+bwd, causal and not,
+    #    bf16, against each SDPA backend and FlexAttention; softmax and layer norm bandwidth.
+    "bench": [
+        _INSTALL, _BUILD,
+        Step("bench-attention", [*_CLI, "bench", *_QUICK_BENCH, "--json",
+                                 "{out}/bench-attention.json"], 150),
+        Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
+                                 "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 60),
+    ],
+    # 4. Everything else in the suite, in parallel.
+    "rest": [
+        _INSTALL, _BUILD,
+        Step("test-rest", _pytest("tests", "--ignore=tests/test_cuda_kernels.py",
+                                  *(f"--ignore={t}" for t in KERNEL_TESTS), junit="rest",
+                                  workers=8, timeout=150), 210),
+    ],
+    # 5. compute-sanitizer on the CUDA kernels, each tool in its own step.
+    "sanitize": [
+        _INSTALL, _BUILD,
+        *(Step(tool, ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", PY,
+                      "bench/sanitize_cuda.py"], 100) for tool in ("memcheck", "racecheck")),
+    ],
+    # 6. When a session has time left: the full grid, and the Triton pointer path beside the
+    #    descriptor path.
+    "full": [
+        _INSTALL,
+        Step("bench-full", [*_CLI, "bench", "--budget", "0.1", "--json", "{out}/bench-full.json"],
+             280, _NO_EXT),
+        Step("bench-pointer", [*_CLI, "bench", *_QUICK_BENCH, "--providers",
+                               "fastattn-triton,sdpa", "--json", "{out}/bench-pointer.json"], 120,
+             {**_NO_EXT, "FASTATTN_TRITON_TMA": "0"}),
+    ],
+}
+
+
+def budget(call: str) -> int:
+    return sum(step.timeout for step in CALLS[call])
+
+
+def results_dir(call: str) -> Path:
+    return ROOT / "bench" / "results" / f"gpu-{datetime.date.today().isoformat()}" / call
+
+
+def _pack(call: str, out: Path, records: list[dict]) -> None:
+    """Write steps.json, and with $OUT set, the tarball and a one-line-per-step summary."""
+    (out / "steps.json").write_text(json.dumps(records, indent=1))
+    dest = os.environ.get("OUT")
+    if not dest:
+        return
+    summary = "\n".join(f"{r['step']:28} {r['status']:8} {r['seconds']:6.1f} s" for r in records)
+    Path(dest, f"{call}-summary.txt").write_text(summary + "\n")
+    with tarfile.open(Path(dest, f"{call}.tgz"), "w:gz") as tar:
+        tar.add(out, arcname=f"{out.parent.name}/{call}")
+
+
+def run_step(step: Step, out: Path) -> dict:
+    """Run one step in its own process group, killed at its timeout; its log goes to out/."""
+    cmd = [part.replace("{out}", str(out)) for part in step.cmd]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+    log = out / f"{step.name}.log"
+    start = time.monotonic()
+    with open(log, "w") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=step.timeout)
+            status = "ok" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = "timeout"
+    record = {"step": step.name, "status": status, "seconds": time.monotonic() - start,
+              "timeout": step.timeout}
+    tail = log.read_text(errors="replace").splitlines()[-8:]
+    print(f"== {step.name}: {status} in {record['seconds']:.0f} s")
+    print("\n".join("   " + line for line in tail), flush=True)
+    return record
+
+
+def run_call(call: str, steps: list[Step] | None = None, out: Path | None = None) -> int:
+    steps = CALLS[call] if steps is None else steps
+    out = results_dir(call) if out is None else out
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for step in steps:
+        records.append(run_step(step, out))
+        _pack(call, out, records)
+    failed = [r["step"] for r in records if r["status"] != "ok"]
+    print(f"{call}: {len(records) - len(failed)} of {len(records)} steps ok"
+          + (f"; not ok: {', '.join(failed)}" if failed else "") + f"; results in {out}")
+    return 1 if failed else 0
+
+
+def dry_run(calls: list[str]) -> int:
+    """Print each call's steps, commands and budgets; fail if a call's budget is over
+    CALL_BUDGET_S or a step names a file that does not exist."""
+    problems = []
+    for call in calls:
+        total = budget(call)
+        print(f"call {call}: {len(CALLS[call])} steps, budget {total} s "
+              f"(limit {CALL_BUDGET_S} s){'  OVER' if total > CALL_BUDGET_S else ''}")
+        if total > CALL_BUDGET_S:
+            problems.append(f"{call} is over budget")
+        for step in CALLS[call]:
+            env = " ".join(f"{k}={v}" for k, v in step.env.items())
+            print(f"  {step.name:24} {step.timeout:4} s  {env + ' ' if env else ''}"
+                  f"{shlex.join(step.cmd)}")
+            for part in step.cmd:
+                if part.startswith(("tests/", "bench/")) and not (ROOT / part).exists():
+                    problems.append(f"{call}/{step.name}: {part} does not exist")
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    return 1 if problems else 0
+
+
+def plan() -> None:
+    print("One device call per line, in this order (each ends by itself within its budget):")
+    for i, call in enumerate(CALLS, 1):
+        print(f"  {i}. python bench/gpu_protocol.py {call:9} ~{budget(call) // 60 + 1} min at most")
+    print("Then unpack $OUT/<call>.tgz under bench/results/, run python bench/summarize.py, "
+          "commit.")
+
+
+def isolated(out: str, pytest_args: list[str], workers: int = 8) -> int:
+    """Run each selected test in its own process, ``workers`` at a time (a CUDA fault poisons
+    only its own context); one junit file per test."""
+    import concurrent.futures
+
+    ids = subprocess.run([PY, "-m", "pytest", "--collect-only", "-q", *pytest_args],
+                         cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
+    ids = [line for line in ids if "::" in line]
+
+    def one(i):
+        return subprocess.run(_pytest(ids[i], timeout=60) + [f"--junitxml={out}/isolated-{i}.xml"],
+                              cwd=ROOT, capture_output=True, text=True)
+
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for node, proc in zip(ids, pool.map(one, range(len(ids)))):
+            failed += proc.returncode != 0
+            print(f"{'ok' if proc.returncode == 0 else f'exit {proc.returncode}':8} {node}",
+                  flush=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:], flush=True)
+    print(f"isolated: {len(ids) - failed} of {len(ids)} ok")
+    return 1 if failed else 0
+
+
+def smoke(op: str, backend: str) -> int:
+    """One shape of ``op`` on ``backend`` (forward and backward) against the naive backend."""
+    import torch
+
+    import fastattn
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+
+    def t(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt, requires_grad=True)
+
+    if op == "attention":
+        args = (t(2, 4, 300, 128), t(2, 4, 300, 128), t(2, 4, 300, 128))
+
+        def fn(q, k, v, backend):
+            return fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
+    elif op == "softmax":
+        args = (t(2, 4, 300, 300),)
+
+        def fn(x, backend):
+            return fastattn.scaled_masked_softmax(x, None, scale=0.125, is_causal=True,
+                                                  backend=backend)
+    elif op == "layer_norm":
+        args = (t(1000, 1024), t(1024), t(1024))
+
+        def fn(x, w, b, backend):
+            return fastattn.layer_norm(x, (1024,), w, b, backend=backend)
+    elif op == "ffn":
+        args = (t(300, 256), t(1024, 256), t(1024), t(256, 1024), t(256))
+
+        def fn(x, w1, b1, w2, b2, backend):
+            return fastattn.ffn(x, w1, b1, w2, b2, activation="gelu", backend=backend)
+    elif op == "rope":
+        args = (t(2, 4, 300, 128),)
+
+        def fn(x, backend):
+            return fastattn.rope(x, backend=backend)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    outs = {}
+    for name in (backend, "naive"):
+        inputs = [a.detach().clone().requires_grad_() for a in args]
+        y = fn(*inputs, backend=name)
+        y.float().square().sum().backward()
+        torch.cuda.synchronize()
+        outs[name] = [y.float()] + [a.grad.float() for a in inputs]
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+                for a, b in zip(outs[backend], outs["naive"]))
+    ok = worst < 3e-2 and all(torch.isfinite(a).all() for a in outs[backend])
+    print(f"smoke {op} on {backend}: {'ok' if ok else 'FAILED'} (largest relative difference "
+          f"to naive {worst:.2e})")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("calls", nargs="*", help=f"plan, all, or calls: {', '.join(CALLS)}")
+    parser.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
+    parser.add_argument("--smoke", nargs=2, metavar=("OP", "BACKEND"))
+    parser.add_argument("--isolated", nargs=argparse.REMAINDER,
+                        help="OUTDIR PYTEST-ARGS...: each selected test in its own process")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke(*args.smoke)
+    if args.isolated:
+        return isolated(args.isolated[0], args.isolated[1:])
+    calls = list(CALLS) if args.calls in ([], ["all"]) else args.calls
+    if calls == ["plan"]:
+        plan()
+        return 0
+    unknown = [c for c in calls if c not in CALLS]
+    if unknown:
+        parser.error(f"unknown call(s) {unknown}; choose from plan, all, {', '.join(CALLS)}")
+    if args.dry_run:
+        return dry_run(calls)
+    return max(run_call(call) for call in calls)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

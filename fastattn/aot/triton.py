@@ -1,0 +1,457 @@
+"""The Triton half of the Hopper compile gate: every launch the launchers make, compiled for sm_90.
+
+How: each case below calls a real launcher (``fastattn.kernels.*``) on small CPU tensors with
+``kernels.tuning.TARGET`` set to an H100 (132 SMs, capability 9.0), so launch plans are the GPU's.
+While a case runs, Triton's ``Autotuner.run`` and ``JITFunction.run`` only record their arguments;
+nothing executes. Each recorded launch is then expanded into the configs its autotuner's pruner
+keeps (the first one only with ``kernels.tuning.AUTOTUNE`` off, i.e. what the GPU test suite runs)
+and compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, the way
+Triton's own launch path would on the device. Each variant gives a :class:`report.Row`: ptxas's
+registers and spills, the shared memory Triton asks for, and the SASS features (cuobjdump).
+
+Descriptor (TMA) and pointer paths are both compiled for attention (``kernels.attention.TMA``
+forced to 1 and 0); warp-specialized configs are kept where the pruner keeps them on a Hopper GPU.
+Tensor contents never matter, only shapes, dtypes, strides and 16-byte alignment.
+
+Spill budget: 0 bytes for every kept config, unless :data:`SPILL_BUDGET` names the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import subprocess
+import tempfile
+from typing import Callable
+
+import torch
+
+from fastattn.aot.report import Row, parse_ptxas, sass_features, sass_of
+
+H100 = {"capability": (9, 0), "sms": 132, "shared_bytes": 227 * 1024}
+
+#: (kernel, a word of the case) -> (bytes of spill stores + loads allowed, why). Every other
+#: variant may not spill at all.
+SPILL_BUDGET: dict[tuple[str, str], tuple[int, str]] = {
+    # float32 dots are IEEE (docs/numerics.md): on sm_90 Triton lowers them to FMAs, without tensor
+    # cores, and every tile shape tried spills 1-45 KB (even 32x32 x 4 warps; tf32x3 dots still
+    # spill at 32x32). A correctness path, not a fast one, until it is rebuilt: its spills are
+    # reported, not gated.
+    **{(kernel, "fp32"): (1 << 20, "float32 IEEE dots lower to FMAs on sm_90")
+       for kernel in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")},
+}
+
+#: Features a kernel's SASS must hold on the descriptor path (attention): TMA loads. A
+#: warp-specialized config must also hold setmaxnreg (else Triton did not specialize it).
+REQUIRED_TMA = ("tma",)
+
+
+@dataclasses.dataclass
+class Case:
+    """One launcher call: ``run()`` calls it on CPU tensors; ``name`` says what it stands for;
+    ``paths`` are the values of kernels.attention.TMA it is run under."""
+    op: str
+    name: str
+    run: Callable[[], object]
+    quick: bool = False
+    paths: tuple[str, ...] = ("0",)
+    tune: bool = True   # full runs compile every kept config (else the first, and WS ones)
+
+
+@dataclasses.dataclass
+class Launch:
+    case: str
+    path: str
+    fn: object          # triton Autotuner or JITFunction
+    args: tuple
+    kwargs: dict
+
+
+# ---------------------------------------------------------------------------------------------
+# The cases: representative shapes for every launcher
+# ---------------------------------------------------------------------------------------------
+
+def _t(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype)
+
+
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _attention_cases():
+    from fastattn.kernels import attention as A
+
+    def attn(d, dtype, L=4096, Lk=None, causal=False, mask=None, dropout=0.0, backward=True,
+             dmask=False, window=None):
+        Lk = L if Lk is None else Lk
+        q = _t(1, 2, L, d, dtype=dtype)
+        k, v = _t(1, 2, Lk, d, dtype=dtype), _t(1, 2, Lk, d, dtype=dtype)
+        m = None
+        if mask == "bool":
+            m = torch.empty(1, 1, L, Lk, dtype=torch.bool).expand(1, 2, L, Lk)
+        elif mask == "float":
+            m = torch.empty(1, 1, L, Lk, dtype=dtype).expand(1, 2, L, Lk)
+        left, right = (window or (Lk, 0)) if causal or window else (Lk, Lk)
+        band = (Lk - L, left, right)
+
+        def run():
+            out, lse = A.attention_forward(q, k, v, m, None, *band, dropout, 1)
+            if backward:
+                A.attention_backward(out, q, k, v, out, lse, m, None, *band, dropout, 1, dmask)
+        return run
+
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for d in (64, 128, 256, 80):
+            quick = dtype == torch.bfloat16 and d in (64, 128)
+            tag = f"{_SHORT[dtype]} D{d}"
+            # Every kept config for the causal case (it has the most code: edge and interior
+            # loops); the others differ in flags that barely move register pressure.
+            cases.append(Case("attention", f"{tag} L4k", attn(d, dtype), quick, ("1", "0"),
+                              tune=False))
+            cases.append(Case("attention", f"{tag} L4k causal", attn(d, dtype, causal=True),
+                              quick, ("1", "0")))
+            if dtype == torch.float32:
+                continue
+            cases.append(Case("attention", f"{tag} decode 1x4k", attn(d, dtype, L=1, Lk=4096,
+                                                                       causal=True, backward=False),
+                              False, ("1", "0")))
+            if d in (64, 128):
+                tune = dtype == torch.bfloat16
+                cases += [
+                    Case("attention", f"{tag} L1k bool mask", attn(d, dtype, L=1024, mask="bool"),
+                         tune=tune),
+                    Case("attention", f"{tag} L1k float mask+grad",
+                         attn(d, dtype, L=1024, mask="float", dmask=True), tune=tune),
+                    Case("attention", f"{tag} L4k dropout", attn(d, dtype, dropout=0.1),
+                         tune=tune),
+                    Case("attention", f"{tag} L4k window", attn(d, dtype, window=(256, 0)),
+                         paths=("1",), tune=False),
+                ]
+    return cases
+
+
+def _norm_cases():
+    from fastattn.kernels import layer_norm as LN
+    from fastattn.kernels import rope as R
+    from fastattn.kernels import softmax as S
+
+    def ln(M, N, dtype, rms, residual):
+        x = _t(M, N, dtype=dtype)
+        res = _t(M, N, dtype=dtype) if residual else None
+        w = _t(N, dtype=dtype)
+        b = None if rms else _t(N, dtype=dtype)
+
+        def run():
+            y, h, mean, rstd = LN.layer_norm_fwd(x, res, w, b, 1e-5, rms)
+            LN.layer_norm_bwd(y, h if residual else None, h if residual else x, w, mean, rstd,
+                              rms, [True, not rms])
+        return run
+
+    def softmax(rows, N, dtype, causal):
+        x = _t(1, 1, rows, N, dtype=dtype)
+
+        def run():
+            y = S.softmax_fwd(x, None, 0.125, causal)
+            S.softmax_bwd(y, y, 0.125)
+        return run
+
+    def rope(L, D, dtype):
+        x = _t(1, 8, L, D, dtype=dtype)
+        cos, sin = _t(L, D // 2, dtype=torch.float32), _t(L, D // 2, dtype=torch.float32)
+
+        def run():
+            R.rope_fwd(x, cos, sin, None, False, False)
+        return run
+
+    cases = []
+    for dtype in (torch.bfloat16, torch.float32):
+        q = dtype == torch.bfloat16
+        for N in (768, 4096, 16384 * 2):
+            for rms, residual in ((False, False), (True, True)):
+                M = 4096 if N < 16384 else 64
+                name = f"{_SHORT[dtype]} {M}x{N} {'rms+res' if rms else 'ln'}"
+                cases.append(Case("layer_norm", name, ln(M, N, dtype, rms, residual),
+                                  q and N == 4096))
+        for N, causal in ((1024, False), (4096, True), (65536, False)):
+            cases.append(Case("softmax", f"{_SHORT[dtype]} rows x {N}{' causal' if causal else ''}",
+                              softmax(N if N <= 4096 else 8, N, dtype, causal), q and N == 4096))
+        cases.append(Case("rope", f"{_SHORT[dtype]} L4k D128", rope(4096, 128, dtype), q))
+    return cases
+
+
+def _ffn_cases():
+    from fastattn.kernels import ffn as F
+
+    def ffn(M, d, hidden, dtype, activation):
+        gated = activation in ("swiglu", "geglu")
+        x = _t(M, d, dtype=dtype)
+        w1 = _t(hidden * (2 if gated else 1), d, dtype=dtype)
+        b1 = _t(hidden * (2 if gated else 1), dtype=dtype)
+        w2 = _t(d, hidden, dtype=dtype)
+        b2 = _t(d, dtype=dtype)
+
+        def run():
+            out, pre = F.ffn_fwd(x, w1, b1, w2, b2, activation)
+            F.ffn_bwd(out, x, w1, w2, pre, activation, [True, True])
+        return run
+
+    cases = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for act in ("gelu", "swiglu", "relu"):
+            cases.append(Case("ffn", f"{_SHORT[dtype]} 4096x1024x4096 {act}",
+                              ffn(4096, 1024, 4096, dtype, act),
+                              dtype == torch.bfloat16 and act != "relu"))
+    return cases
+
+
+def cases(ops=None, quick=False):
+    """The cases of the ops named (all by default); quick: the CI subset."""
+    found = _attention_cases() + _norm_cases() + _ffn_cases()
+    return [c for c in found if (not quick or c.quick) and (ops is None or c.op in ops)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture, expand, compile
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _recording(into, case, path):
+    """Triton's launch entry points record (fn, args, kwargs) into ``into`` instead of running."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    saved = Autotuner.run, JITFunction.run
+
+    def record(self, *args, **kwargs):
+        kwargs.pop("grid", None)
+        kwargs.pop("warmup", None)
+        into.append(Launch(case, path, self, args, kwargs))
+
+    Autotuner.run = JITFunction.run = record
+    try:
+        yield
+    finally:
+        Autotuner.run, JITFunction.run = saved
+
+
+@contextlib.contextmanager
+def _planning_for(target, autotune):
+    """Launch plans made for ``target`` without a GPU, autotuning on or off."""
+    from fastattn.kernels import tuning
+    saved = tuning.TARGET, tuning.AUTOTUNE
+    tuning.TARGET, tuning.AUTOTUNE = target, autotune
+    try:
+        yield
+    finally:
+        tuning.TARGET, tuning.AUTOTUNE = saved
+
+
+def capture(selected, *, all_configs=True, target=H100):
+    """The launches the selected cases make, each expanded to ``(launch, config)`` pairs: every
+    config the pruner keeps (only the first when ``all_configs`` is False); config None for
+    kernels that are not autotuned."""
+    from triton.runtime.autotuner import Autotuner
+
+    from fastattn.kernels import attention as A
+
+    launches = []
+    tuned = set()
+    with _planning_for(target, True):
+        for case in selected:
+            if case.tune:
+                tuned.add(f"{case.op}: {case.name}")
+            for path in case.paths:
+                saved_tma = A.TMA
+                A.TMA = path
+                try:
+                    with _recording(launches, f"{case.op}: {case.name}", path):
+                        case.run()
+                finally:
+                    A.TMA = saved_tma
+        variants = []
+        seen = set()
+        for launch in launches:
+            if isinstance(launch.fn, Autotuner):
+                tuner = launch.fn
+                tuner.nargs = dict(zip(tuner.arg_names, launch.args))
+                try:
+                    configs = tuner.prune_configs(launch.kwargs)
+                finally:
+                    tuner.nargs = None
+                if not (all_configs and launch.case in tuned):
+                    # what the tests run (the first kept config), and every WS variant
+                    configs = configs[:1] + [c for c in configs[1:] if _warp_specialized(c)]
+            else:
+                configs = [None]
+            for config in configs:
+                key = _compile_key(launch, config, target)
+                if key not in seen:
+                    seen.add(key)
+                    variants.append((launch, config))
+    return variants
+
+
+def _warp_specialized(config):
+    return config is not None and bool(config.kwargs.get("WARP_SPECIALIZE"))
+
+
+def _bind(launch, config, target):
+    """Triton's binder for the target: fn, kwargs, backend, bound args, specialization, options."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = _jit_function(launch.fn)
+    kwargs = dict(launch.kwargs)
+    if config is not None:
+        kwargs.update(config.all_kwargs())
+    kwargs.setdefault("debug", False)
+    major, minor = target["capability"]
+    backend = make_backend(GPUTarget("cuda", major * 10 + minor, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    return (fn, kwargs, backend, *binder(*launch.args, **kwargs))
+
+
+def _compile_key(launch, config, target):
+    """What the compiled binary depends on: the kernel, its argument specialization (dtypes,
+    16-byte divisibility, constexpr values) and options. Launches equal in it compile once."""
+    fn, kwargs, _, _, specialization, options = _bind(launch, config, target)
+    return fn.fn.__name__, repr(specialization), repr(options)
+
+
+def _kernel_name(fn):
+    inner = getattr(fn, "fn", fn)
+    while hasattr(inner, "fn") and not hasattr(inner, "params"):
+        inner = inner.fn
+    return getattr(getattr(inner, "fn", inner), "__name__", str(inner))
+
+
+def _jit_function(fn):
+    """The JITFunction under autotune/heuristics wrappers."""
+    while not hasattr(fn, "params"):
+        fn = fn.fn
+    return fn
+
+
+def _config_text(config, kwargs):
+    if config is None:
+        blocks = {k: v for k, v in kwargs.items() if k.startswith("BLOCK")}
+        meta = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    else:
+        blocks = {k: v for k, v in config.kwargs.items() if k.startswith("BLOCK")}
+        meta = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    text = "x".join(str(v) for v in blocks.values())
+    text += f" w{meta.get('num_warps', 4)}s{meta.get('num_stages', 3)}"
+    if config is not None and config.kwargs.get("WARP_SPECIALIZE"):
+        text += " ws"
+    return text
+
+
+def _ptxas_log(kernel, arch):
+    """``ptxas -v`` of the compiled kernel's PTX (Triton's own log is not kept)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(kernel.asm["ptx"])
+        proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a"
+                               if arch >= 90 else f"--gpu-name=sm_{arch}", src,
+                               "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True)
+    return proc.stderr + proc.stdout
+
+
+def compile_variant(launch, config, target=H100):
+    """Compile one (launch, config) for ``target``; the Row that says how it went."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastattn.kernels import attention as A
+
+    fn = _jit_function(launch.fn)
+    kwargs = dict(launch.kwargs)
+    if config is not None:
+        kwargs.update(config.all_kwargs())
+    major, minor = target["capability"]
+    arch = major * 10 + minor
+    name = fn.fn.__name__
+    case = launch.case
+    if case.startswith("attention"):
+        case += " [tma]" if launch.path == "1" else " [ptr]"
+    row = Row(kernel=name, case=case, config=_config_text(config, kwargs),
+              smem_limit=target.get("shared_bytes", 0))
+    row.spill_budget = max([budget for (kernel, word), (budget, _) in SPILL_BUDGET.items()
+                            if kernel == name and word in row.case.split()] or [0])
+    if kwargs.get("USE_TMA", False) and A._HAS_DESCRIPTORS:
+        row.required = REQUIRED_TMA
+    if _warp_specialized(config):  # producer/consumer warps resize their register files
+        row.required += ("setmaxnreg",)
+    try:
+        gpu = GPUTarget("cuda", arch, 32)
+        fn, kwargs, backend, bound_args, specialization, options = _bind(launch, config, target)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
+                                                              specialization, options)
+        src = ASTSource(fn, signature, constexprs, attrs)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            kernel = triton.compile(src, target=gpu, options=options.__dict__)
+    except Exception as exc:  # noqa: BLE001 - a compile failure is a result
+        row.error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return row
+    stats = parse_ptxas(_ptxas_log(kernel, arch))
+    mine = stats.get(kernel.metadata.name) or next(iter(stats.values()), {})
+    row.regs = mine.get("regs")
+    row.spill_stores, row.spill_loads = mine.get("spill_stores", 0), mine.get("spill_loads", 0)
+    row.smem = max(int(kernel.metadata.shared), mine.get("smem", 0))
+    sass = sass_of(kernel.asm["cubin"])
+    row.features = sass_features(sass.get(kernel.metadata.name, "\n".join(sass.values())))
+    return row
+
+
+def triton_rows(quick=False, ops=None, kernels=None, names=None, all_configs=None, jobs=None,
+                progress=None):
+    """Compile the selected cases' launches for the H100 in ``jobs`` processes; one Row each.
+    ``kernels``: only kernels whose names contain one of these; ``names``: only cases whose
+    names contain one of these. ``all_configs`` defaults to
+    ``not quick`` (quick: the first kept config, as the tests run, and warp-specialized ones)."""
+    import concurrent.futures
+    import multiprocessing
+
+    if all_configs is None:
+        all_configs = not quick
+    selected = [c for c in cases(ops, quick) if not names or any(n in c.name for n in names)]
+    variants = capture(selected, all_configs=all_configs)
+    if kernels:
+        variants = [(launch, config) for launch, config in variants
+                    if any(k in _kernel_name(launch.fn) for k in kernels)]
+    jobs = jobs or os.cpu_count() or 1
+    if jobs == 1:
+        rows = []
+        for i, (launch, config) in enumerate(variants):
+            rows.append(compile_variant(launch, config))
+            if progress:
+                progress(i + 1, len(variants), rows[-1])
+        return rows
+    # Forked workers inherit the captured launches (kernels and tensors do not pickle well).
+    global _VARIANTS
+    _VARIANTS = variants
+    ctx = multiprocessing.get_context("fork")
+    rows = [None] * len(variants)
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(_compile_index, i): i for i in range(len(variants))}
+        for n, fut in enumerate(concurrent.futures.as_completed(futures)):
+            rows[futures[fut]] = fut.result()
+            if progress:
+                progress(n + 1, len(variants), rows[futures[fut]])
+    _VARIANTS = []
+    return rows
+
+
+_VARIANTS = []
+
+
+def _compile_index(i):
+    return compile_variant(*_VARIANTS[i])
