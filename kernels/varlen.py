@@ -32,12 +32,12 @@ gradients 0. Limits: float16 / bfloat16 / float32, head dims <= 256, unit stride
 dim; no float mask (the band only); int64 offsets for tokens and blocks.
 """
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .attention import (
     _DTYPES,
     _INTERPRET,
@@ -489,10 +489,9 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
 
 
 def _num_splits(device, programs, key_tiles):
-    """Key splits so that about two programs run per SM, at most one per key tile."""
-    sms = 1
-    if device.type == "cuda" and not _INTERPRET:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    """Key splits so that about two programs run per SM (of kernels.tuning's target), at most
+    one per key tile."""
+    sms = tuning.num_sms(device)
     return max(1, min(triton.cdiv(2 * sms, max(programs, 1)), key_tiles))
 
 
