@@ -23,15 +23,14 @@ t % block_size). Each split writes a float32 partial (O normalized, lse); splits
 a log-sum-exp weighted sum: O = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s. The number
 of splits fills the GPU (about two programs per SM), never more than the key tiles.
 
-Tiles are fixed, not autotuned yet: 16 x 16 under the interpreter, 64 x 64 on GPUs (32 x 32 for
-head dims above 128), 4 warps, 2 stages; the split merge runs as torch ops.
+Tiles are fixed, not autotuned yet (see _tiles: chosen so that every kernel compiles for sm_90
+without register spills); the split merge runs as torch ops.
 
 Precision: scores, statistics and accumulators float32, P and dS cast to the input dtype for the
 dots (float32 dots are IEEE); lse float32. Rows with nothing to attend: O = 0, lse = -inf,
 gradients 0. Limits: float16 / bfloat16 / float32, head dims <= 256, unit stride on the last
 dim; no float mask (the band only); int64 offsets for tokens and blocks.
 """
-
 
 import torch
 import triton
@@ -60,17 +59,21 @@ from .attention import (
     _scores,
 )
 
-# One fixed tile shape (no autotuning yet): 16 x 16 under the interpreter; on a GPU 64 x 64, or
-# 32 x 32 for head dims above 128 (registers).
-_WARPS = 4
+# One fixed tile shape per kernel (no autotuning yet): 16 x 16 under the interpreter; on a GPU
+# the shapes that compile for sm_90 without register spills (checked with fastattn.aot's
+# compile_variant, bf16 / fp16 at D 64, 128, 256): forward 64 x 64 (32 x 32 above D 128), 4 warps;
+# backward 64 x 64 at D <= 64, 32 x 64 at D <= 128, 32 x 32 with 8 warps above.
 _STAGES = 1 if _INTERPRET else 2
 
 
-def _tiles(D, Dv):
-    """(BLOCK_M, BLOCK_N) for these head dims."""
+def _tiles(D, Dv, backward=False):
+    """(BLOCK_M, BLOCK_N, num_warps) for these head dims."""
     if _INTERPRET:
-        return 16, 16
-    return (64, 64) if max(D, Dv) <= 128 else (32, 32)
+        return 16, 16, 4
+    wide = max(D, Dv)
+    if not backward:
+        return (64, 64, 4) if wide <= 128 else (32, 32, 4)
+    return (64, 64, 4) if wide <= 64 else (32, 64, 4) if wide <= 128 else (32, 32, 8)
 
 
 @triton.jit
@@ -421,7 +424,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
         return out, lse
     seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
-    block_m, block_n = _tiles(D, Dv)
+    block_m, block_n, warps = _tiles(D, Dv)
     grid = (triton.cdiv(max_q, block_m), batch, H)
     torch.library.wrap_triton(_varlen_fwd_kernel)[grid](
         q, k, v, out, lse, cu_q, cu_k,
@@ -431,7 +434,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=_WARPS, num_stages=_STAGES,
+        num_warps=warps, num_stages=_STAGES,
     )
     return out, lse
 
@@ -455,12 +458,12 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
         return dq, dk, dv
     seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
-    block_m, block_n = _tiles(D, Dv)
+    block_m, block_n, warps = _tiles(D, Dv, backward=True)
     consts = dict(
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=_WARPS, num_stages=_STAGES,
+        num_warps=warps, num_stages=_STAGES,
     )
     scalars = (total_q, H, H // Hkv, scale, scale * _LOG2E.value, left, right, seed32, threshold,
                rcp_keep)
@@ -519,7 +522,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         return out, lse
     max_len = block_table.shape[1] * block_size
     rows = (H // Hkv) * Lq
-    tile_m, block_n = _tiles(D, Dv)
+    tile_m, block_n, warps = _tiles(D, Dv)
     block_m = max(16, min(triton.next_power_of_2(rows), tile_m))
     row_tiles = triton.cdiv(rows, block_m)
     key_tiles = max(1, triton.cdiv(max_len, block_n))
@@ -540,7 +543,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b,
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=_WARPS, num_stages=_STAGES,
+        num_warps=warps, num_stages=_STAGES,
     )
     # Merge the splits: lse = logsumexp_s lse_s, O = sum_s exp(lse_s - lse) O_s.
     lse.copy_(torch.logsumexp(lse_part, dim=-1))
