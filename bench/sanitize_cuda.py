@@ -11,7 +11,8 @@ or let the script launch those itself: ``python bench/sanitize_cuda.py --all-too
 
 The calls are forward + backward of softmax (warp path, cached and uncached block paths, masks,
 causal), ffn (plain and gated activations, odd sizes) and attention (the three head-dim buckets,
-odd lengths, GQA, masks, band, dropout, fully masked rows, empty keys), kept small so the
+odd lengths, GQA, masks, band, dropout, fully masked rows, empty keys, and several
+query blocks x key tiles so the cp.async pipeline turns over), kept small so the
 sanitizer (10-100x slower) finishes in a minute or two. Each output is checked to be finite
 (a cheap guard that also forces the kernels to have run).
 """
@@ -76,6 +77,11 @@ def attention_calls(gen, dev):
         (1, 2, 2, 33, 17, 256, 200, False, (5, 3), "float", 0.0),
         (1, 2, 1, 30, 30, 64, 64, False, None, "dead_rows", 0.2),
         (1, 1, 1, 9, 0, 64, 64, False, None, None, 0.0),
+        # several query blocks and key tiles: the cp.async double buffer turns over, interior
+        # tiles take the unmasked path (D 128: Q in registers; D 256: Q read from shared memory)
+        (1, 2, 1, 200, 260, 128, 128, True, None, None, 0.0),
+        (1, 1, 1, 70, 100, 256, 256, False, None, None, 0.1),
+        (1, 2, 2, 150, 150, 64, 64, False, (40, 20), None, 0.0),
     )
     for B, H, Hkv, Lq, Lk, D, Dv, causal, window, kind, p in cases:
         q = torch.randn(B, H, Lq, D, generator=gen).half().to(dev).requires_grad_()

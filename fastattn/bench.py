@@ -429,8 +429,14 @@ def _fmt_ms(r: Result) -> str:
     return f"{r.ms:.3f} ({r.ms_p20:.3f}-{r.ms_p80:.3f})"
 
 
+WIDTH = 120  # the printed tables fit in this many columns
+
+
 def columns(results: Sequence[Result]) -> list[str]:
-    cols = ["shape", "dtype", "mode", "provider", "ms (p20-p80)"]
+    cols = ["shape"]
+    if len({r.dtype for r in results}) > 1:  # one dtype goes in the table's title instead
+        cols.append("dtype")
+    cols += ["mode", "provider", "ms (p20-p80)"]
     if any(r.tflops is not None for r in results):
         cols.append("TFLOP/s")
     if any(r.gbps is not None and r.tflops is None for r in results):
@@ -467,10 +473,33 @@ def _case_key(r: Result) -> tuple:
     return (r.op, r.shape, r.dtype, r.mode)
 
 
+def footnotes(results: Sequence[Result]) -> list[str]:
+    """The providers that could not run, once each with why: ``provider, ...: error`` (with the
+    number of cases when a provider failed on only some of its cases)."""
+    totals: dict[str, int] = {}
+    for r in results:
+        totals[r.provider] = totals.get(r.provider, 0) + 1
+    failed: dict[str, dict[str, int]] = {}
+    for r in results:
+        if r.error:
+            failed.setdefault(r.error, {}).setdefault(r.provider, 0)
+            failed[r.error][r.provider] += 1
+    lines = []
+    for error, providers in failed.items():
+        names = [p if n == totals[p] else f"{p} ({n} of {totals[p]} cases)" for p, n in providers.items()]
+        lines.append(f"{', '.join(names)}: {error}")
+    return lines
+
+
 def print_table(results: Sequence[Result], title: str = "fastattn bench") -> None:
-    """One table per op; providers of one case are grouped, the fastest time is highlighted."""
+    """One table per op, at most :data:`WIDTH` columns wide; providers of one case are grouped,
+    the fastest time is highlighted. Providers that could not run are not rows: a footnote
+    names each once, with the reason."""
+    import textwrap
+
     ops = list(dict.fromkeys(r.op for r in results))
     try:
+        from rich import box
         from rich.console import Console
         from rich.table import Table
         from rich.text import Text
@@ -479,23 +508,28 @@ def print_table(results: Sequence[Result], title: str = "fastattn bench") -> Non
     if Console is None:
         print(title)
     else:
-        console = Console(width=max(160, Console().width))
+        console = Console(width=WIDTH)
         console.print(Text(title, style="bold"))
     for op in ops:
-        rs = [r for r in results if r.op == op]
+        rs = [r for r in results if r.op == op and not r.error]
+        if not rs:
+            continue
         cols = columns(rs)
         rows = table_rows(rs, cols)
+        name = op if "dtype" in cols else f"{op} ({rs[0].dtype})"
         if Console is None:
             widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-            print(f"\n{op}")
+            print(f"\n{name}")
             for line in [cols, *rows]:
-                print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+                print(" ".join(cell.rjust(w) if c not in ("shape", "dtype", "mode", "provider") else cell.ljust(w)
+                               for c, cell, w in zip(cols, line, widths)).rstrip())
             continue
         best = {}
         for r in rs:
             if r.ms and (_case_key(r) not in best or r.ms < best[_case_key(r)]):
                 best[_case_key(r)] = r.ms
-        table = Table(title=op, title_justify="left")
+        table = Table(title=name, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                      collapse_padding=True)
         for c in cols:
             left = c in ("shape", "dtype", "mode", "provider")
             table.add_column(c, justify="left" if left else "right", overflow="fold",
@@ -503,14 +537,17 @@ def print_table(results: Sequence[Result], title: str = "fastattn bench") -> Non
         for i, (r, row) in enumerate(zip(rs, rows)):
             last = i + 1 == len(rs) or _case_key(rs[i + 1]) != _case_key(r)
             style = None
-            if r.error:
-                style = "dim"
-            elif r.ms == best.get(_case_key(r)):
+            if r.ms == best.get(_case_key(r)):
                 style = "bold green"
             elif r.provider.startswith("fastattn"):
                 style = "bold"
             table.add_row(*(Text(cell) for cell in row), style=style, end_section=last)
         console.print(table)
+    notes = footnotes(results)
+    if notes:
+        print("\nnot run here:")
+        for note in notes:
+            print(textwrap.fill(note, WIDTH, initial_indent="  ", subsequent_indent="    "))
 
 
 def to_dict(results: Sequence[Result], env: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 import torch
 
@@ -119,10 +120,9 @@ def _run_bench(args) -> int:
         f"{peaks['copy_gbps']:.0f} GB/s, {peaks['matmul_dtype']} matmul {peaks['matmul_tflops']:.2f} TFLOP/s measured"
     )
     bench.print_table(results, title=title)
-    print(
+    print(textwrap.fill(
         "x naive / x torch: speedup over the naive backend / the fastest PyTorch peer (torch...); "
-        "max err: largest |error| against the float64 reference (output and gradients)"
-    )
+        "max err: largest |error| against the float64 reference (output and gradients)", bench.WIDTH))
     status = 0
     if args.json:
         bench.write_json(args.json, results, env)

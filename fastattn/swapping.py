@@ -12,11 +12,12 @@ MyLayerNorm(nn.LayerNorm): pass``); it then gets a class deriving from both, so
 ``isinstance`` checks against the subclass still hold (such a model pickles only as a
 state_dict; models of torch's own classes pickle whole).
 
-Hugging Face transformers: :func:`register_hf` registers ``"fastattn"`` in
+Hugging Face transformers (:mod:`fastattn.hf`): :func:`register_hf` registers ``"fastattn"`` in
 ``transformers.AttentionInterface`` (and a matching mask builder), so that
 ``AutoModel.from_config(config, attn_implementation="fastattn")`` runs fastattn's attention;
-:func:`swap` on a transformers model also switches it to that implementation (and swaps its
-``nn.LayerNorm`` modules).
+:func:`swap` on a transformers model also swaps its RMSNorms, MLPs and rotary embedding (found
+by structure, for the families of ``fastattn.hf.FAMILIES``), its ``nn.LayerNorm`` modules, and
+switches it to that attention implementation.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from torch import Tensor
 from fastattn.nn.attention import MultiheadAttention
 from fastattn.nn.norm import LayerNorm, RMSNorm
 from fastattn.nn.transformer import TransformerDecoderLayer, TransformerEncoderLayer, activation_name
-from fastattn.ops.attention import attention
+from fastattn import hf
+from fastattn.hf import hf_attention_forward, register_hf
 
 __all__ = ["SwapEntry", "SwapReport", "hf_attention_forward", "register_hf", "swap", "unswap"]
 
@@ -45,6 +47,8 @@ def _label(cls: type) -> str:
         return f"torch.nn.{cls.__name__}"
     if mod.startswith("fastattn.nn."):
         return f"fastattn.nn.{cls.__name__}"
+    if mod.startswith("transformers."):
+        return f"transformers.{cls.__name__}"
     return f"{mod}.{cls.__qualname__}"
 
 
@@ -74,12 +78,25 @@ class SwapReport:
     def __len__(self) -> int:
         return len(self.replaced)
 
+    @property
+    def left(self) -> dict[tuple[str, str], int]:
+        """Number of modules left as they were, per (class name, reason)."""
+        return dict(Counter((e.before, e.note) for e in self.skipped))
+
     def __str__(self) -> str:
         lines = [f"fastattn {self.action} {len(self.replaced)} module(s) (backend={self.backend!r})"]
+        after = {}
+        for e in self.replaced:
+            after.setdefault(e.before, e.after)
         for cls, n in sorted(self.counts.items()):
-            lines.append(f"  {n:4d} x {cls}")
+            lines.append(f"  {n:4d} x {cls}" + (f" -> {after[cls]}" if self.action == "swapped" else ""))
+        for (cls, why), n in sorted(self.left.items()):
+            lines.append(f"  {n:4d} x {cls} left: {why}")
         if self.hf_attention:
             lines.append(f"  transformers attn_implementation = {self.hf_attention!r}")
+        if len(self.replaced) + len(self.skipped) > self.DETAIL_LIMIT:
+            lines.append(f"  (per module: report.replaced and report.skipped, {len(self.replaced) + len(self.skipped)} entries)")
+            return "\n".join(lines)
         width = max((len(e.name or "<root>") for e in self.replaced + self.skipped), default=0)
         for e in self.replaced:
             note = f"  ({e.note})" if e.note else ""
@@ -87,6 +104,8 @@ class SwapReport:
         for e in self.skipped:
             lines.append(f"  {e.name or '<root>':{width}s}  {e.before} kept: {e.note}")
         return "\n".join(lines)
+
+    DETAIL_LIMIT = 40  # modules listed one by one up to this many
 
 
 _BASES = (
@@ -130,15 +149,20 @@ def swap(
     attention: bool = True,
     layer_norm: bool = True,
     ffn: bool = True,
+    rope: bool = True,
 ) -> SwapReport:
     """Replace, in place, torch's MultiheadAttention (``attention``), LayerNorm and RMSNorm
     (``layer_norm``) and TransformerEncoderLayer / TransformerDecoderLayer (whose feed-forward
     becomes one fused :func:`fastattn.ffn` when ``ffn``) by fastattn's subclasses, all running on
     ``backend`` (None: automatic). ``torch.nn.Transformer`` / ``TransformerEncoder`` /
     ``TransformerDecoder`` stacks are covered through their layers (the encoder's nested-tensor
-    fast path, which would bypass fastattn, is turned off). A transformers model is also switched
-    to ``attn_implementation="fastattn"`` when ``attention``. Returns a :class:`SwapReport`;
+    fast path, which would bypass fastattn, is turned off). Returns a :class:`SwapReport`;
     :func:`unswap` undoes it.
+
+    In a Hugging Face transformers model (see :mod:`fastattn.hf`) also: its RMSNorms
+    (``layer_norm``), gated and plain MLPs (``ffn``: one fused :func:`fastattn.ffn` on the same
+    Parameters), rotary embedding (``rope``: :func:`fastattn.rope` on the model's own tables), and
+    its ``attn_implementation`` set to fastattn's (``attention``).
 
     Layers are swapped whenever any flag is set, because PyTorch's layer fast path would
     otherwise bypass the swapped attention and norms; their feed-forward stays in PyTorch when
@@ -184,8 +208,17 @@ def swap(
                 module.__dict__["_fastattn_use_nested_tensor"] = True
                 module.use_nested_tensor = False
 
+    hf.swap_modules(
+        model, backend=backend, flags={"norm": layer_norm, "mlp": ffn, "rotary": rope},
+        replaced=report.replaced, skipped=report.skipped, entry=SwapEntry, label=_label, original_attr=_ORIGINAL,
+    )
     if attention:
-        report.hf_attention = _swap_hf(model, backend)
+        blocker = hf.attention_blocker(model)
+        if blocker is None:
+            report.hf_attention = hf.swap_attention(model, backend)
+        elif getattr(model, "set_attn_implementation", None) is not None:
+            current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            report.skipped.append(SwapEntry("", _label(type(model)), "", f"attention stays {current!r}: {blocker}"))
     return report
 
 
@@ -202,91 +235,9 @@ def unswap(model: torch.nn.Module) -> SwapReport:
             report.replaced.append(SwapEntry(name, before, _label(cls)))
         if module.__dict__.pop("_fastattn_use_nested_tensor", False):
             module.use_nested_tensor = True
+    hf.release_rotary()
     previous = model.__dict__.pop("_fastattn_hf_previous", None)
     if previous is not None:
         model.set_attn_implementation(previous)
         report.hf_attention = previous
     return report
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face transformers
-
-
-def hf_attention_forward(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    *,
-    backend: str | None = None,
-    is_causal: bool | None = None,
-    position_bias: Tensor | None = None,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """An attention function with transformers' ``AttentionInterface`` signature, on fastattn.
-
-    ``query (B, H, L, D)``, ``key``/``value (B, Hkv, S, D)``, ``attention_mask`` None, bool
-    (True = may attend) or float (added), broadcastable to (B, H, L, S). Follows transformers'
-    ``sdpa`` integration: without a mask, ``is_causal`` (or ``module.is_causal``) applies the
-    top-left causal band for more than one query. Returns ``(out (B, L, H, Dv), None)``.
-    """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("fastattn attention does not support `softcap`; use attn_implementation='eager'")
-    L = query.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(L > 1 and attention_mask is None and causal)
-    if causal and key.shape[2] > L:
-        # As transformers' sdpa: only a prefill into an empty static cache gets here; the keys
-        # past the queries are empty slots.
-        key, value = key[:, :, :L], value[:, :, :L]
-        if position_bias is not None:
-            position_bias = position_bias[..., :L]
-    mask = attention_mask
-    if position_bias is not None:
-        if mask is None:
-            mask = position_bias
-        elif mask.dtype == torch.bool:
-            mask = position_bias.masked_fill(~mask, float("-inf"))
-        else:
-            mask = position_bias + mask
-    if mask is not None and mask.is_floating_point() and mask.dtype != query.dtype:
-        mask = mask.to(query.dtype)
-    out = attention(
-        query, key, value, mask, causal=causal, scale=scaling, dropout_p=float(dropout),
-        enable_gqa=key.shape[1] != query.shape[1], backend=backend,
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_hf(name: str = "fastattn", *, backend: str | None = None) -> str:
-    """Register fastattn's attention in transformers as ``attn_implementation=name`` (and the
-    sdpa-style mask builder for it). Returns ``name``. Raises ImportError without transformers."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(name, functools.partial(hf_attention_forward, backend=backend))
-    try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError:  # older transformers build masks without an interface
-        pass
-    else:
-        AttentionMaskInterface.register(name, sdpa_mask)
-    return name
-
-
-def _swap_hf(model: torch.nn.Module, backend: str | None) -> str | None:
-    """Switch a transformers model to fastattn's attention; the name set, or None."""
-    setter = getattr(model, "set_attn_implementation", None)
-    config = getattr(model, "config", None)
-    can = getattr(model, "_can_set_attn_implementation", None)
-    if setter is None or config is None or not callable(can) or not can():
-        return None
-    previous = config._attn_implementation
-    name = register_hf("fastattn" if backend is None else f"fastattn_{backend}", backend=backend)
-    if previous != name:
-        setter(name)
-        model.__dict__.setdefault("_fastattn_hf_previous", previous)
-    return name

@@ -165,22 +165,25 @@ def test_sdpa_is_a_drop_in(backend, device, mask_kind, is_causal):
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_bad_input_errors(backend, device):
+    """fastattn.attention's own rules (scaled_dot_product_attention follows torch's: test_sdpa.py)."""
     q = torch.randn(1, 2, 4, 8, device=device)
     with pytest.raises(ValueError, match="4-D"):
-        fastattn.scaled_dot_product_attention(q[0], q[0], q[0], backend=backend)
+        fastattn.attention(q[0], q[0], q[0], backend=backend)
     with pytest.raises(ValueError, match="batch sizes differ"):
-        fastattn.scaled_dot_product_attention(q, torch.cat([q, q]), torch.cat([q, q]), backend=backend)
+        fastattn.attention(q, torch.cat([q, q]), torch.cat([q, q]), backend=backend)
     with pytest.raises(ValueError, match="head dim"):
         fastattn.scaled_dot_product_attention(q, q[..., :4], q, backend=backend)
     with pytest.raises(ValueError, match="enable_gqa"):
-        fastattn.scaled_dot_product_attention(q, q[:, :1], q[:, :1], backend=backend)
+        fastattn.attention(q, q[:, :1], q[:, :1], backend=backend)
     kv = torch.randn(1, 3, 4, 8, device=device)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fastattn.scaled_dot_product_attention(q, kv, kv, backend=backend)
     with pytest.raises(ValueError, match="multiple"):
         fastattn.scaled_dot_product_attention(torch.cat([q, q], 1), kv, kv, enable_gqa=True, backend=backend)
     with pytest.raises(ValueError, match="not broadcastable"):
         fastattn.scaled_dot_product_attention(q, q, q, torch.ones(3, 4, dtype=torch.bool, device=device), backend=backend)
     with pytest.raises(ValueError, match="dropout_p"):
-        fastattn.scaled_dot_product_attention(q, q, q, dropout_p=1.0, backend=backend)
+        fastattn.attention(q, q, q, dropout_p=1.0, backend=backend)
     with pytest.raises(TypeError, match="dtype"):
         fastattn.scaled_dot_product_attention(q.long(), q.long(), q.long(), backend=backend)
     with pytest.raises(ValueError, match="not both"):

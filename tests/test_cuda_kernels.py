@@ -258,6 +258,17 @@ ATT_CASES = {
     "dropout_gqa": (1, 4, 2, 70, 90, 64, 64, False, None, None, 0.25),
     "dropout_bias_window": (1, 2, 2, 65, 33, 128, 128, False, (6, 2), "bias", 0.5),
     "dropout_d256": (1, 2, 1, 33, 40, 256, 256, True, None, None, 0.1),
+    # The FA2-class kernels' tile paths: several query blocks (BM = 128 / 64) and key tiles
+    # (BN = 64 / 32), so the cp.async double buffer turns over more than once and interior tiles
+    # take the unmasked fast path beside the masked edge tiles.
+    "len1_d128": (1, 2, 2, 1, 1, 128, 128, False, None, None, 0.0),
+    "len17_d64_causal": (1, 2, 2, 17, 17, 64, 64, True, None, None, 0.0),
+    "long_causal_d128": (1, 2, 2, 300, 300, 128, 128, True, None, None, 0.0),
+    "long_d64_gqa": (1, 4, 1, 257, 520, 64, 64, False, None, None, 0.0),
+    "long_window_d64": (1, 2, 2, 400, 400, 64, 64, False, (100, 50), None, 0.0),
+    "long_d256": (1, 2, 1, 130, 200, 256, 256, False, None, None, 0.0),
+    "long_d80_bool": (1, 2, 2, 200, 170, 80, 80, True, None, "full_bool", 0.0),
+    "long_dropout_d128": (1, 2, 2, 140, 260, 128, 128, False, None, None, 0.2),
 }
 
 
@@ -354,6 +365,29 @@ def test_attention_backward_is_deterministic_and_replays():
     for a, b in zip(first, again):
         assert torch.equal(a, b)
     assert not torch.equal(first[0], other[0])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_unaligned_inputs_take_the_element_path(D):
+    """Base pointers off a 16-byte boundary (a storage offset of one element): the tile loads
+    cannot use 16-byte cp.async and fall back to element loads; results must not change."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, L = 1, 2, 150
+
+    def rnd(*s):
+        buf = torch.randn(*s[:-1], s[-1] + 1, generator=gen).half().to(DEV)
+        return buf[..., 1:]
+
+    q, k, v = rnd(B, H, L, D), rnd(B, H, L, D), rnd(B, H, L, D)
+    assert q.data_ptr() % 16 != 0
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fastattn.attention(q, k, v, causal=True, backend="cuda")
+    dout = torch.randn(out.shape, generator=gen).half().to(DEV)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    args = (_np(q), _np(k), _np(v), None, D ** -0.5, True, None, 0.0, 0, False)
+    _close("out", out, ref.attention(*args)[0], ATT_TOL[torch.float16])
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref.attention_backward(_np(dout), *args)):
+        _close(name, got, want, 4 * ATT_TOL[torch.float16])
 
 
 def test_attention_float32_is_rejected_with_a_clear_error():

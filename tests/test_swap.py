@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import fastattn
-from fastattn import swapping
 from fastattn.swapping import SwapReport, swap, unswap
 
 from conftest import backend_params
@@ -182,92 +181,3 @@ def test_swap_backends(backend, device):
         masks["tgt_mask"] = masks["tgt_mask"].double()
         expected = reference(src, tgt, **masks)
     torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face transformers
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    """transformers (conftest keeps the repository root, whose kernels/ folder would shadow the
-    PyPI package ``kernels`` that transformers probes, off sys.path)."""
-    tf = pytest.importorskip("transformers", minversion="4.48")  # AttentionInterface
-    swapping.register_hf()
-    return tf
-
-
-def _hf_models(tf):
-    return {
-        "gpt2": (lambda: tf.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0), tf.GPT2LMHeadModel),
-        "bert": (lambda: tf.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, max_position_embeddings=32), tf.BertModel),
-        "llama-gqa": (
-            lambda: tf.LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=32, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0),
-            tf.LlamaForCausalLM,
-        ),
-    }
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama-gqa"])
-def test_hf_attn_implementation(transformers, arch):
-    """A tiny random model built with attn_implementation="fastattn" (float64, naive through
-    use_backend) equals the same weights under "sdpa" (torch's float64 math; "eager" softmaxes in
-    float32 for some models); generation too; swap() switches an sdpa model to fastattn and
-    swaps its LayerNorms, unswap() switches it back."""
-    make, cls = _hf_models(transformers)[arch]
-    torch.manual_seed(0)
-    eager = cls._from_config(make(), attn_implementation="sdpa", dtype=F64).eval()
-    ours = cls._from_config(make(), attn_implementation="fastattn", dtype=F64).eval()
-    ours.load_state_dict(eager.state_dict())
-    assert ours.config._attn_implementation == "fastattn" and eager.config._attn_implementation == "sdpa"
-    ids = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(0))
-    am = torch.ones(2, 7, dtype=torch.long)
-    am[1, 5:] = 0  # right padding (left padding leaves query rows with no key: NaN in eager)
-    calls = []
-    real = swapping.attention
-    try:
-        swapping.attention = lambda *a, **k: calls.append(k.get("causal")) or real(*a, **k)
-        with torch.no_grad(), fastattn.use_backend("naive"):
-            expected = eager(input_ids=ids, attention_mask=am)[0]
-            out = ours(input_ids=ids, attention_mask=am)[0]
-            assert len(calls) == 2  # one call per layer, none from the sdpa model
-            _close(out[am.bool()], expected[am.bool()], tol=1e-9)
-            if arch != "bert":
-                kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-                generated = ours.generate(ids, **kw)  # prefill, then decode steps with the KV cache
-                assert generated.shape == (2, 11) and torch.equal(generated, eager.generate(ids, **kw))
-    finally:
-        swapping.attention = real
-
-    model = copy.deepcopy(eager)
-    report = swap(model, backend="naive")
-    assert report.hf_attention == "fastattn_naive" and model.config._attn_implementation == "fastattn_naive"
-    n_ln = sum(type(m) is torch.nn.LayerNorm for m in eager.modules())
-    assert report.counts.get("torch.nn.LayerNorm", 0) == n_ln
-    assert all(type(m) is not torch.nn.LayerNorm for m in model.modules())
-    with torch.no_grad():
-        _close(model(input_ids=ids, attention_mask=am)[0][am.bool()], expected[am.bool()], tol=1e-9)
-    unswap(model)
-    assert model.config._attn_implementation == "sdpa"
-
-
-def test_hf_attention_function_matches_sdpa(transformers):
-    """The registered function itself against transformers' sdpa integration: GQA, bool and
-    float masks, causal without a mask, dropout off, scaling."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    g = torch.Generator().manual_seed(0)
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
-    q = torch.randn(2, 4, 5, 8, generator=g, dtype=F64)
-    k, v = torch.randn(2, 2, 5, 8, generator=g, dtype=F64), torch.randn(2, 2, 5, 8, generator=g, dtype=F64)
-    bool_mask = torch.rand(2, 1, 5, 5, generator=g) < 0.7
-    bool_mask[..., 0] = True
-    for mask in (None, bool_mask, torch.randn(2, 1, 5, 5, generator=g, dtype=F64)):
-        out, w = swapping.hf_attention_forward(module, q, k, v, mask, scaling=0.3, backend="naive")
-        expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
-        assert w is None and out.shape == (2, 5, 4, 8)
-        _close(out, expected, tol=1e-12)
-    with pytest.raises(ValueError, match="softcap"):
-        swapping.hf_attention_forward(module, q, k, v, None, softcap=1.0)

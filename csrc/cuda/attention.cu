@@ -1,6 +1,7 @@
 // Fused scaled dot-product attention, forward and backward (CUDA backend):
-// fastattn::attention_fwd / attention_bwd. Flash-style: no (Lq, Lk) buffer (except dmask, an
-// output), tensor cores through PTX mma.sync.m16n8k16 (cuda_mma.cuh), no cuBLAS, no atomics.
+// fastattn::attention_fwd / attention_bwd. FlashAttention-2 recipe: no (Lq, Lk) buffer (except
+// dmask, an output), tensor cores through PTX mma.sync.m16n8k16 fed by ldmatrix, tiles brought to
+// shared memory by cp.async into XOR-swizzled layouts, no cuBLAS, no atomics.
 //
 // Math (per batch b and query head h; kv head h / (H / Hkv)), as kernels/attention.py:
 //
@@ -24,41 +25,54 @@
 // padded bucket DP = 64, 128 or 256 >= max(D, Dv). Tiles are loaded into shared memory
 // zero-filled beyond D / Dv and beyond Lq / Lk, so the padding contributes exact zeros.
 //
-// Work split (all grids 1-D, the block index fastest so the blocks of one head run together):
-// - forward: one CTA of 4 warps per (64 query rows, b, h); each warp owns 16 rows. Q stays in
-//   shared memory; the CTA walks the BN-key tiles that intersect the band (tiles entirely outside
-//   it are skipped), loading K (row-major) and V (transposed, V^T) into shared memory. Per tile:
-//   S = Q K^T (mma), mask / band / bounds applied per element, online softmax in log2 units
-//   (exp2f, log2(e) folded into the scale; running max per row in registers, per-lane partial
-//   sums reduced over the quad at the end), dropout on the probabilities that feed P V (the
-//   row sums use the undropped P), O rescaled and O += P V with P reused from the accumulator
-//   registers as the A operand. Epilogue: O * (1/(1-p)) / l, lse = (m + log2 l) * ln 2.
-//   DP = 64, 128: BN = 64; DP = 256: BN = 32.
+// Shared-memory layout and fragments (csrc/include/fastattn/cuda_layout.cuh, proven on the host
+// by tests/test_cuda_layouts.py): every 16-bit tile is ROWS x DP elements, dense, its 16-byte
+// chunks XOR-swizzled (chunk c of row r at c ^ (r % 8)), which makes the 16-byte cp.async stores
+// and every ldmatrix phase bank-conflict free. Operands are read with ldmatrix.x4: A fragments
+// (ldsm_a), B = X^T from X's rows (ldsm_b: K in Q K^T, Q in K Q^T, V in dO V^T, dO in V dO^T) and
+// B = X with .trans (ldsm_bt: V in P V -- V stays row-major --, dO in P^T dO, Q in dS^T Q, K in
+// dS K). P (and dS) are reused from the accumulator registers as the A operand of the next mma.
+//
+// Work split (all grids 1-D, the block index fastest so the blocks of one head run together);
+// tile shapes per head-dim bucket are in ONE table, `Configs<DP>` below:
+// - forward: one CTA of BM / 16 warps per (BM query rows, b, h); each warp owns 16 rows. Q is
+//   loaded once (cp.async) and, for DP <= 128, held in registers as A fragments for the whole key
+//   loop (DP = 256 re-reads it with ldmatrix: O already takes 128 registers). The CTA walks the
+//   BN-key tiles that intersect the band (tiles entirely outside it are skipped), K and V
+//   (both row-major) double-buffered: the cp.async of tile n+1 is in flight while tile n is
+//   computed. Per tile: S = Q K^T, then scale (and, only on tiles a warp does not see whole:
+//   bounds, band edge, user mask, per element), online softmax in log2 units (exp2f, log2(e)
+//   folded into the scale; running max per row in registers, per-lane partial sums reduced over
+//   the quad at the end), dropout on the probabilities that feed P V (the row sums use the
+//   undropped P), O rescaled and O += P V. Epilogue: O * (1/(1-p)) / l staged through the warp's
+//   own rows of the Q tile and written as 16-byte vectors, lse = (m + log2 l) * ln 2.
 // - backward, three kernels, deterministic:
 //   * delta = rowsum(dO * O), one warp per row;
 //   * dK/dV: one CTA per (BN keys, b, kv head), BN / 16 warps of 16 keys each. It loops over
 //     the GQA group's query heads and, for each, over the BM-query blocks inside the band,
 //     recomputing S^T = K Q^T and dP^T = V dO^T with mma, P^T = exp2(S^T - lse), dS^T, and
-//     accumulating dV += (P Z)^T dO and dK += dS^T Q. Accumulators are float32 in shared memory
-//     (each element owned by one lane: no races, no atomics), so any DP fits without spilling;
+//     accumulating dV += (P Z)^T dO and dK += dS^T Q: in registers for DP <= 128, in float32
+//     shared memory for DP = 256 (each element owned by one lane: no races, no atomics; float2
+//     read-modify-writes, conflict free), so no DP spills;
 //   * dQ: one CTA per (BM queries, b, h), looping over the band's key tiles; dQ += dS K with
 //     shared float32 accumulators. When need_dmask, it writes dS (float32) for every visited
 //     (i, j) of dmask; dmask is zero-initialised, which covers the tiles outside the band.
-// Tiles (queries x keys): forward 64 x 64 / 64 x 64 / 64 x 32; dK/dV (keys x queries) 64 x 64 /
-// 64 x 32 / 32 x 32; dQ 64 x 64 / 64 x 64 / 32 x 32 for DP = 64 / 128 / 256. Shared memory per
-// CTA, computed from the template parameters (Cfg::SMEM) and static_asserted to fit the sm_80
-// opt-in limit of 163 KiB: forward 27 / 52 / 69.5 KiB; dK/dV 70.5 / 117.3 / 131.3 KiB; dQ 53 /
-// 101 / 98.5 KiB. (GPUs with less, e.g. sm_86 / sm_89 with 99 KiB, get a clear error for the
-// larger buckets.) Row strides are padded by 16 bytes (8 halves, or 4 floats for the float32
-// accumulators), which makes the 32-bit fragment loads bank-conflict free.
+//   Backward tiles come by cp.async: the dQ kernel double-buffers K / V like the forward; the
+//   dK/dV kernel loads each Q / dO block and waits for it (one stage).
+// Shared memory per CTA is computed from the template parameters (Cfg::SMEM), static_asserted to
+// fit the sm_80 opt-in limit of 163 KiB and carried in each kernel's template arguments (so the
+// compile gate, fastattn/aot/cuda.py, reads it from the symbol). GPUs with less (sm_86 / sm_89:
+// 99 KiB) get a clear error for the larger buckets.
 //
-// Simplicity over speed (these kernels were written without a GPU to run them on): global ->
-// shared copies are synchronous (16-byte vectors when aligned; no cp.async pipelining, no TMA,
-// no ldmatrix), and the masked, bounds-checked scores path runs on every tile. Every shared and
-// global access is bounds-checked or covered by a static_assert on the tile shapes.
+// Barriers: the forward and the dQ kernel have two __syncthreads per key tile -- after the wait
+// for tile n (its cp.async done in every thread) and after its last read (before tile n + 2
+// overwrites the buffer) --; every cp.async group is waited for before the CTA exits. The
+// forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp). Every shared and global
+// access is bounds-checked or covered by a static_assert on the tile shapes.
 //
 // Limits: Lq, Lk <= 2^29; head dims <= 256; H a multiple of Hkv; q / k / v / dout with a unit
-// last stride (any other strides); lse contiguous float32. Offsets are int64.
+// last stride (any other strides; 16-byte cp.async when the base and strides allow it, element
+// loads otherwise); lse contiguous float32. Offsets are int64.
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
 #include <ATen/ATen.h>
@@ -70,6 +84,7 @@
 #include <tuple>
 
 #include "fastattn/common.h"
+#include "fastattn/cuda_layout.cuh"
 #include "fastattn/cuda_mma.cuh"
 #include "fastattn/rng.h"
 
@@ -122,73 +137,91 @@ struct AttnParams {
   float* dmask;         // (B, H, Lq, Lk) contiguous, or nullptr
 };
 
+
+using ::fastattn::cuda_layout::AccTile;
+using ::fastattn::cuda_layout::ldsm_a_chunk;
+using ::fastattn::cuda_layout::ldsm_a_row;
+using ::fastattn::cuda_layout::ldsm_b_chunk;
+using ::fastattn::cuda_layout::ldsm_b_row;
+using ::fastattn::cuda_layout::Swizzled;
+
 // ---------------------------------------------------------------------------------------------
-// Global -> shared tile copies. A tile is ROWS rows x DP columns of 16-bit elements; global rows
-// row0 + r (r < ROWS) with the given stride; rows >= n_rows and columns >= n_cols are zero.
+// Global -> shared tile copies into a swizzled ROWS x DP tile: global rows row0 + r (r < ROWS)
+// with the given stride; rows >= n_rows and columns >= n_cols are zero. Whole in-bounds 16-byte
+// chunks go by cp.async when `vec` (base and strides 16-byte aligned), the rest by element loads
+// and plain 16-byte shared stores. The caller commits, waits (cp_async_wait) and syncs.
 
-template <int ROWS, int DP, int LD, int NTHREADS>
-__device__ __forceinline__ void load_tile(uint16_t* __restrict__ s, const uint16_t* __restrict__ g,
-                                          int64_t row_stride, int row0, int n_rows, int n_cols,
-                                          bool vec) {
-  static_assert(DP % 8 == 0 && LD % 8 == 0, "tile rows must be whole 16-byte chunks");
-  constexpr int CHUNKS = DP / 8;
-  for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NTHREADS) {
-    const int r = c / CHUNKS;
-    const int col = (c % CHUNKS) * 8;
-    const int gr = row0 + r;
-    uint16_t* dst = s + r * LD + col;
-    if (gr < n_rows && vec && col + 8 <= n_cols) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(g + int64_t{gr} * row_stride + col);
-    } else {
+template <int ROWS, int DP, int NTHREADS>
+__device__ __forceinline__ void load_tile_async(uint16_t* __restrict__ s,
+                                                const uint16_t* __restrict__ g,
+                                                int64_t row_stride, int row0, int n_rows,
+                                                int n_cols, bool vec) {
+  using L = Swizzled<DP>;
+  constexpr int TOTAL = ROWS * L::CHUNKS;
+  // Thread tid copies chunks tid, tid + NTHREADS, ... (cuda_layout::copy_chunk_index).
+  for (int idx = threadIdx.x; idx < TOTAL; idx += NTHREADS) {
+    const int r = idx / L::CHUNKS, ch = idx % L::CHUNKS;
+    const int gr = row0 + r, col = ch * 8;
+    uint16_t* dst = s + L::chunk_offset(r, ch);
+    if (gr < n_rows && col < n_cols) {
+      const uint16_t* src = g + int64_t{gr} * row_stride + col;
+      if (vec && col + 8 <= n_cols) {
+        cp_async_16(dst, src);
+      } else {
+        uint32_t w[4];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        dst[e] = (gr < n_rows && col + e < n_cols) ? g[int64_t{gr} * row_stride + col + e] : uint16_t{0};
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t lo = col + 2 * e < n_cols ? src[2 * e] : 0u;
+          const uint32_t hi = col + 2 * e + 1 < n_cols ? src[2 * e + 1] : 0u;
+          w[e] = lo | (hi << 16);
+        }
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
       }
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
 }
 
-// The same tile stored transposed: s[col * LDT + r] (DP rows of ROWS elements).
-template <int ROWS, int DP, int LDT, int NTHREADS>
-__device__ __forceinline__ void load_tile_transposed(uint16_t* __restrict__ s,
-                                                     const uint16_t* __restrict__ g,
-                                                     int64_t row_stride, int row0, int n_rows,
-                                                     int n_cols, bool vec) {
-  static_assert(DP % 8 == 0, "tile rows must be whole 16-byte chunks");
-  static_assert(LDT >= ROWS, "transposed row stride too small");
-  constexpr int CHUNKS = DP / 8;
-  for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NTHREADS) {
-    const int r = c / CHUNKS;
-    const int col = (c % CHUNKS) * 8;
-    const int gr = row0 + r;
-    uint16_t vals[8];
-    if (gr < n_rows && vec && col + 8 <= n_cols) {
-      const uint4 u = *reinterpret_cast<const uint4*>(g + int64_t{gr} * row_stride + col);
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        vals[2 * e] = static_cast<uint16_t>(w[e] & 0xffffu);
-        vals[2 * e + 1] = static_cast<uint16_t>(w[e] >> 16);
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        vals[e] = (gr < n_rows && col + e < n_cols) ? g[int64_t{gr} * row_stride + col + e] : uint16_t{0};
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s[(col + e) * LDT + r] = vals[e];
-  }
+// Operand loads from a swizzled tile with row length DP (cuda_layout.cuh, section 3).
+// A fragment of rows [r0, r0 + 16) x k [k0, k0 + 16).
+template <int DP>
+__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const uint16_t* tile, int r0, int k0,
+                                       int lane) {
+  ldsm_x4(a, tile + Swizzled<DP>::chunk_offset(r0 + ldsm_a_row(lane), k0 / 8 + ldsm_a_chunk(lane)));
+}
+// B = X^T (B[k][n] = X[n0 + n][k0 + k]) for the two n-tiles n0, n0 + 8: b[0..1], b[2..3].
+template <int DP>
+__device__ __forceinline__ void ldsm_b(uint32_t (&b)[4], const uint16_t* tile, int n0, int k0,
+                                       int lane) {
+  ldsm_x4(b, tile + Swizzled<DP>::chunk_offset(n0 + ldsm_b_row(lane), k0 / 8 + ldsm_b_chunk(lane)));
+}
+// B = X (B[k][n] = X[k0 + k][n0 + n]) for the two n-tiles n0, n0 + 8: b[0..1], b[2..3].
+template <int DP>
+__device__ __forceinline__ void ldsm_bt(uint32_t (&b)[4], const uint16_t* tile, int k0, int n0,
+                                        int lane) {
+  ldsm_x4_trans(b, tile + Swizzled<DP>::chunk_offset(k0 + ldsm_a_row(lane), n0 / 8 + ldsm_a_chunk(lane)));
 }
 
-template <int N, int NTHREADS>
-__device__ __forceinline__ void zero_floats(float* s) {
-  for (int i = threadIdx.x; i < N; i += NTHREADS) s[i] = 0.f;
+// The A fragment of k-step ks made of the accumulators of n-tiles 2 ks and 2 ks + 1 (P reuse).
+template <typename M16, int N>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[N][4], int ks) {
+  a[0] = M16::pack(c[2 * ks][0], c[2 * ks][1]);
+  a[1] = M16::pack(c[2 * ks][2], c[2 * ks][3]);
+  a[2] = M16::pack(c[2 * ks + 1][0], c[2 * ks + 1][1]);
+  a[3] = M16::pack(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
 // Whether key j is visible to query i (bounds and band); the caller adds the user mask.
 __device__ __forceinline__ bool visible(const AttnParams& p, int i, int j) {
   return i < p.Lq && j < p.Lk && j >= i + p.band_lo && j <= i + p.band_hi;
+}
+
+// Whether every (i, j) of queries [m0, m0 + rows) x keys [n0, n0 + cols) is visible and unmasked,
+// so the per-element masking can be skipped (the common interior tile).
+__device__ __forceinline__ bool tile_whole(const AttnParams& p, int m0, int rows, int n0, int cols) {
+  return p.mask_kind == MaskKind::kNone && m0 + rows <= p.Lq && n0 + cols <= p.Lk &&
+         n0 >= m0 + rows - 1 + p.band_lo && n0 + cols - 1 <= m0 + p.band_hi;
 }
 
 // The key range [n_begin, n_end) that queries [m0, m0 + rows) may see (empty if n_begin >= n_end).
@@ -208,31 +241,84 @@ __device__ __forceinline__ void query_range(const AttnParams& p, int n0, int row
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward.
+// Tile configurations.
 
-template <int DP_, int BN_>
+template <int DP_, int BM_, int BN_, bool Q_IN_REGS_>
 struct FwdCfg {
-  static constexpr int DP = DP_, BN = BN_, BM = 64, NWARPS = 4, NTHREADS = 32 * NWARPS;
-  static constexpr int LD = DP + 8;   // Q and K rows (16 bytes of padding: conflict-free)
-  static constexpr int LDV = BN + 8;  // V^T rows
-  static constexpr int Q_ELEMS = BM * LD, K_ELEMS = BN * LD, VT_ELEMS = DP * LDV;
-  static constexpr int SMEM = (Q_ELEMS + K_ELEMS + VT_ELEMS) * 2;
-  static_assert(BM == 16 * NWARPS, "one warp per 16 query rows");
-  static_assert(DP % 16 == 0 && BN % 16 == 0, "mma tiles are 16 deep");
-  static_assert((LD * 2) % 16 == 0 && (LDV * 2) % 16 == 0, "rows must stay 16-byte aligned");
-  static_assert((Q_ELEMS * 2) % 16 == 0 && (K_ELEMS * 2) % 16 == 0, "sections 16-byte aligned");
+  static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
+  static constexpr int STAGES = 2;  // K / V double buffer
+  static constexpr bool Q_IN_REGS = Q_IN_REGS_;
+  static constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
+  static constexpr int SMEM = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * 2;
+  static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
   static_assert(SMEM <= kSm80SmemOptin, "forward tile does not fit in sm_80 shared memory");
 };
 
-template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::NTHREADS) attn_fwd_kernel(const AttnParams p) {
+template <int DP_, int BN_, int BM_>
+struct BwdKVCfg {
+  static constexpr int DP = DP_, BN = BN_, BM = BM_, NWARPS = BN / 16, NTHREADS = 32 * NWARPS;
+  // dK / dV accumulate in registers (2 x DP / 2 floats per lane) where they fit beside the
+  // S^T / dP^T tiles: DP <= 128; in float32 shared memory otherwise.
+  static constexpr bool ACC_IN_REGS = DP <= 128;
+  static constexpr int K_ELEMS = BN * DP, Q_ELEMS = BM * DP;
+  static constexpr int ACC_ELEMS = ACC_IN_REGS ? 0 : BN * AccTile<DP>::LD;
+  static constexpr int SMEM = (2 * K_ELEMS + 2 * Q_ELEMS) * 2 + (2 * ACC_ELEMS + 2 * BM) * 4;
+  static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
+  static_assert(SMEM <= kSm80SmemOptin, "dK/dV tile does not fit in sm_80 shared memory");
+};
+
+template <int DP_, int BM_, int BN_>
+struct BwdQCfg {
+  static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
+  static constexpr int STAGES = 2;  // K / V double buffer, as in the forward
+  static constexpr int Q_ELEMS = BM * DP, K_ELEMS = BN * DP, ACC_ELEMS = BM * AccTile<DP>::LD;
+  static constexpr int SMEM = (2 * Q_ELEMS + STAGES * 2 * K_ELEMS) * 2 + ACC_ELEMS * 4;
+  static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
+  static_assert(SMEM <= kSm80SmemOptin, "dQ tile does not fit in sm_80 shared memory");
+};
+
+// THE heuristics table: tile shapes and warps per padded head dim (queries x keys).
+//   DP   forward (BM x BN, warps, Q)      dK/dV (BN keys x BM queries)   dQ (BM x BN)
+//   64   128 x 64, 8 warps, Q in regs     64 x 64, 4 warps, dK/dV regs   64 x 64, 4 warps
+//   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps, dK/dV regs   64 x 64, 4 warps
+//   256   64 x 32, 4 warps, Q in smem     32 x 32, 2 warps, dK/dV smem   32 x 32, 2 warps
+// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 151 / 211 / 244 per lane, see
+// `make check-cuda`) leave one CTA per SM: 8 / 8 / 4 warps. Registers decide DP = 256: O alone is
+// 128 floats per lane, so Q stays in shared memory there.
+template <int DP>
+struct Configs;
+template <>
+struct Configs<64> {
+  using Fwd = FwdCfg<64, 128, 64, true>;
+  using KV = BwdKVCfg<64, 64, 64>;
+  using Q = BwdQCfg<64, 64, 64>;
+};
+template <>
+struct Configs<128> {
+  using Fwd = FwdCfg<128, 128, 64, true>;
+  using KV = BwdKVCfg<128, 64, 32>;
+  using Q = BwdQCfg<128, 64, 64>;
+};
+template <>
+struct Configs<256> {
+  using Fwd = FwdCfg<256, 64, 32, false>;
+  using KV = BwdKVCfg<256, 32, 32>;
+  using Q = BwdQCfg<256, 32, 32>;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Forward. SMEM_BYTES == Cfg::SMEM: it is a template argument so that the symbol carries the
+// dynamic shared memory the launch asks for (the compile gate reports it).
+
+template <typename T, typename Cfg, int SMEM_BYTES>
+__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnParams p) {
+  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
   using M16 = Mma16<T>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, LD = Cfg::LD, LDV = Cfg::LDV;
-  constexpr int NT = Cfg::NTHREADS;
+  using L = Swizzled<Cfg::DP>;
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
-  uint16_t* sK = sQ + Cfg::Q_ELEMS;
-  uint16_t* sVt = sK + Cfg::K_ELEMS;
+  uint16_t* sKV = sQ + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
 
   const int num_qb = (p.Lq + BM - 1) / BM;
   const int qb = static_cast<int>(blockIdx.x % num_qb);
@@ -241,13 +327,37 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_fwd_kernel(const AttnParam
   const int hk = h / p.group;
   const int m0 = qb * BM;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
-  const int r_loc[2] = {warp * 16 + (lane >> 2), warp * 16 + (lane >> 2) + 8};
+  const int wrow = warp * 16;  // this warp's first row in the tile
+  const int r_loc[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};
   const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
 
   const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* v_base = p.v + b * p.v_sb + hk * p.v_sh;
-  load_tile<BM, DP, LD, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+
+  int n_begin, n_end;
+  key_range(p, m0, BM, n_begin, n_end);
+  const int n_first = (n_begin / BN) * BN;
+  const int num_tiles = n_begin < n_end ? (n_end - n_first + BN - 1) / BN : 0;
+  auto load_kv = [&](int stage, int n0) {
+    uint16_t* sK = sKV + stage * 2 * Cfg::KV_ELEMS;
+    load_tile_async<BN, DP, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+    load_tile_async<BN, DP, NT>(sK + Cfg::KV_ELEMS, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
+  };
+
+  // Prologue: group 0 = Q, group 1 = key tile 0 (empty when there is none).
+  load_tile_async<BM, DP, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+  cp_async_commit();
+  if (num_tiles > 0) load_kv(0, n_first);
+  cp_async_commit();
+  cp_async_wait<1>();  // Q has landed (this thread's part) ...
+  __syncthreads();     // ... and every thread's
+
+  uint32_t qf[Cfg::Q_IN_REGS ? DP / 16 : 1][4];
+  if constexpr (Cfg::Q_IN_REGS) {
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) ldsm_a<DP>(qf[kk], sQ, wrow, kk * 16, lane);
+  }
 
   int64_t mask_row[2] = {0, 0};
   uint32_t rng_row[2] = {0, 0};
@@ -262,30 +372,49 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_fwd_kernel(const AttnParam
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};  // per-lane partial row sums (reduced over the quad at the end)
 
-  int n_begin, n_end;
-  key_range(p, m0, BM, n_begin, n_end);
-  if (n_begin < n_end) {
-    for (int n0 = (n_begin / BN) * BN; n0 < n_end; n0 += BN) {
-      __syncthreads();  // the previous tile's K / V^T are no longer read (and Q is loaded)
-      load_tile<BN, DP, LD, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
-      load_tile_transposed<BN, DP, LDV, NT>(sVt, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
-      __syncthreads();
+  for (int it = 0; it < num_tiles; ++it) {
+    const int n0 = n_first + it * BN;
+    // Prefetch tile it + 1 into the other buffer: its last reader (tile it - 1) passed the
+    // barrier at the end of the previous iteration.
+    if (it + 1 < num_tiles) load_kv((it + 1) & 1, n0 + BN);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the prefetch: tile it has landed (this thread's part)
+    __syncthreads();     // ... in every thread
+    const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::KV_ELEMS;
+    const uint16_t* sV = sK + Cfg::KV_ELEMS;
 
-      float s[BN / 8][4] = {};
+    // S = Q K^T for this warp's 16 rows x BN keys.
+    float s[BN / 8][4] = {};
 #pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        uint32_t a[4];
-        load_a_frag(a, sQ, LD, warp * 16, kk * 16, lane);
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      uint32_t a[4];
+      if constexpr (Cfg::Q_IN_REGS) {
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-          uint32_t b0, b1;
-          load_b_frag_rows(b0, b1, sK, LD, nt * 8, kk * 16, lane);
-          M16::mma(s[nt], a, b0, b1);
+        for (int e = 0; e < 4; ++e) a[e] = qf[kk][e];
+      } else {
+        ldsm_a<DP>(a, sQ, wrow, kk * 16, lane);
+      }
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t bk[4];
+        ldsm_b<DP>(bk, sK, np * 16, kk * 16, lane);
+        M16::mma(s[2 * np], a, bk[0], bk[1]);
+        M16::mma(s[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // Scores in log2 units, -inf where not visible; the tile's row maxima.
+    float mx[2] = {-INFINITY, -INFINITY};
+    if (tile_whole(p, m0 + wrow, 16, n0, BN)) {  // warp-uniform
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] *= p.scale_log2;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
         }
       }
-
-      // Scores in log2 units, -inf where not visible; the tile's row maxima.
-      float mx[2] = {-INFINITY, -INFINITY};
+    } else {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -303,71 +432,93 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_fwd_kernel(const AttnParam
           mx[r] = fmaxf(mx[r], v);
         }
       }
-      float m_safe[2], alpha[2];
+    }
+    float m_safe[2], alpha[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
-        m_safe[r] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[r] = exp2f(m_run[r] - m_safe[r]);  // 0 while the row was empty
-        m_run[r] = m_new;
-        l_run[r] *= alpha[r];
-      }
-      // Probabilities (relative to the running max), the row sums, then dropout.
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+      m_safe[r] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = exp2f(m_run[r] - m_safe[r]);  // 0 while the row was empty
+      m_run[r] = m_new;
+      l_run[r] *= alpha[r];
+    }
+    // Probabilities (relative to the running max), the row sums, then dropout.
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+    for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          float pr = exp2f(s[nt][e] - m_safe[r]);  // exp2(-inf) = 0 where not visible
-          l_run[r] += pr;
-          if (p.dropout) {
-            const uint32_t j = static_cast<uint32_t>(n0 + nt * 8 + 2 * t + (e & 1));
-            if (dropout_bits(stream, rng_row[r], j) < p.threshold) pr = 0.f;
-          }
-          s[nt][e] = pr;
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float pr = exp2f(s[nt][e] - m_safe[r]);  // exp2(-inf) = 0 where not visible
+        l_run[r] += pr;
+        if (p.dropout) {
+          const uint32_t j = static_cast<uint32_t>(n0 + nt * 8 + 2 * t + (e & 1));
+          if (dropout_bits(stream, rng_row[r], j) < p.threshold) pr = 0.f;
         }
-      }
-#pragma unroll
-      for (int dt = 0; dt < DP / 8; ++dt) {
-        o[dt][0] *= alpha[0];
-        o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1];
-        o[dt][3] *= alpha[1];
-      }
-      // O += P V: P's accumulators are the A fragments; B = V (k = key, n = dim) from V^T rows.
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) {
-        const uint32_t a[4] = {M16::pack(s[2 * ks][0], s[2 * ks][1]),
-                               M16::pack(s[2 * ks][2], s[2 * ks][3]),
-                               M16::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                               M16::pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-#pragma unroll
-        for (int dt = 0; dt < DP / 8; ++dt) {
-          uint32_t b0, b1;
-          load_b_frag_rows(b0, b1, sVt, LDV, dt * 8, ks * 16, lane);
-          M16::mma(o[dt], a, b0, b1);
-        }
+        s[nt][e] = pr;
       }
     }
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      o[dt][0] *= alpha[0];
+      o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1];
+      o[dt][3] *= alpha[1];
+    }
+    // O += P V: P from the accumulators (A), V row-major through ldmatrix.trans (B).
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      uint32_t a[4];
+      acc_to_a<M16>(a, s, ks);
+#pragma unroll
+      for (int dp = 0; dp < DP / 16; ++dp) {
+        uint32_t bv[4];
+        ldsm_bt<DP>(bv, sV, ks * 16, dp * 16, lane);
+        M16::mma(o[2 * dp], a, bv[0], bv[1]);
+        M16::mma(o[2 * dp + 1], a, bv[2], bv[3]);
+      }
+    }
+    __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
   }
+  cp_async_wait<0>();  // nothing may land after the CTA exits (the last group is empty anyway)
 
-  // Epilogue: normalize, store O (columns < Dv) and lse.
+  // Epilogue: normalize; stage O (16-bit) in this warp's own 16 rows of the Q tile (no other
+  // warp reads them any more: Q fragments of a warp come from its own rows), then write whole
+  // 16-byte chunks of the rows < Lq, columns < Dv.
+  float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(l_run[r]);
-    const int i = i_row[r];
-    if (i >= p.Lq) continue;
-    const float inv = l > 0.f ? p.rcp_keep / l : 0.f;  // fully masked row: O = 0
-    uint16_t* out_row = p.out + (bh * p.Lq + i) * p.Dv;
+    inv[r] = l > 0.f ? p.rcp_keep / l : 0.f;  // fully masked row: O = 0
+    if (t == 0 && i_row[r] < p.Lq) {
+      p.lse[bh * p.Lq + i_row[r]] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+  __syncwarp();  // this warp's ldmatrix reads of its Q rows are done before they are overwritten
 #pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
+  for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = dt * 8 + 2 * t + e;
-        if (c < p.Dv) out_row[c] = M16::from_float(o[dt][2 * r + e] * inv);
+    for (int r = 0; r < 2; ++r) {
+      *reinterpret_cast<uint32_t*>(sQ + L::offset(r_loc[r], dt * 8 + 2 * t)) =
+          M16::pack(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+    }
+  }
+  __syncwarp();
+  const bool vec_out = p.Dv % 8 == 0;
+  for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
+    const int row = idx / L::CHUNKS, ch = idx % L::CHUNKS;
+    const int i = m0 + wrow + row, col = ch * 8;
+    if (i >= p.Lq || col >= p.Dv) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(sQ + L::chunk_offset(wrow + row, ch));
+    uint16_t* dst = p.out + (bh * p.Lq + i) * p.Dv + col;
+    if (vec_out) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (col + e < p.Dv) dst[e] = static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)));
       }
     }
-    if (t == 0) p.lse[bh * p.Lq + i] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
   }
 }
 
@@ -392,27 +543,25 @@ __global__ void __launch_bounds__(128) attn_bwd_delta_kernel(const AttnParams p)
   }
 }
 
+// acc[row][col .. col + 1] += (x, y) as one float2 (cuda_layout.cuh, section 4).
+template <int DP>
+__device__ __forceinline__ void acc_add2(float* acc, int row, int col, float x, float y) {
+  float2* q = reinterpret_cast<float2*>(acc + AccTile<DP>::offset(row, col));
+  float2 v = *q;
+  v.x += x;
+  v.y += y;
+  *q = v;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward 2/3: dK and dV, one CTA per (BN keys, b, kv head).
 
-template <int DP_, int BN_, int BM_>
-struct BwdKVCfg {
-  static constexpr int DP = DP_, BN = BN_, BM = BM_, NWARPS = BN / 16, NTHREADS = 32 * NWARPS;
-  static constexpr int LD = DP + 8;  // 16-bit tiles
-  static constexpr int LDA = DP + 4;  // float accumulators (conflict-free float2-sized pairs)
-  static constexpr int K_ELEMS = BN * LD, Q_ELEMS = BM * LD, ACC_ELEMS = BN * LDA;
-  static constexpr int SMEM = (2 * K_ELEMS + 2 * Q_ELEMS) * 2 + (2 * ACC_ELEMS + 2 * BM) * 4;
-  static_assert(BN % 16 == 0 && BM % 16 == 0 && DP % 16 == 0, "mma tiles are 16 deep");
-  static_assert((K_ELEMS * 2) % 16 == 0 && (Q_ELEMS * 2) % 16 == 0 && (ACC_ELEMS * 4) % 16 == 0,
-                "sections 16-byte aligned");
-  static_assert(SMEM <= kSm80SmemOptin, "dK/dV tile does not fit in sm_80 shared memory");
-};
-
-template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dkdv_kernel(const AttnParams p) {
+template <typename T, typename Cfg, int SMEM_BYTES>
+__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const AttnParams p) {
+  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
   using M16 = Mma16<T>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, LD = Cfg::LD, LDA = Cfg::LDA;
-  constexpr int NT = Cfg::NTHREADS;
+  using A = AccTile<Cfg::DP>;
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* sK = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sV = sK + Cfg::K_ELEMS;
@@ -429,12 +578,16 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dkdv_kernel(const Attn
   const int b = static_cast<int>(bhk / p.Hkv), hk = static_cast<int>(bhk % p.Hkv);
   const int n0 = kb * BN;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
-  const int kr[2] = {warp * 16 + (lane >> 2), warp * 16 + (lane >> 2) + 8};  // local key rows
+  const int wrow = warp * 16;
+  const int kr[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};  // local key rows
   const int j_row[2] = {n0 + kr[0], n0 + kr[1]};
 
-  load_tile<BN, DP, LD, NT>(sK, p.k + b * p.k_sb + hk * p.k_sh, p.k_sl, n0, p.Lk, p.D, p.vec_k);
-  load_tile<BN, DP, LD, NT>(sV, p.v + b * p.v_sb + hk * p.v_sh, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
-  zero_floats<2 * Cfg::ACC_ELEMS, NT>(sdK);  // sdK and sdV are adjacent
+  load_tile_async<BN, DP, NT>(sK, p.k + b * p.k_sb + hk * p.k_sh, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+  load_tile_async<BN, DP, NT>(sV, p.v + b * p.v_sb + hk * p.v_sh, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
+  cp_async_commit();
+  for (int i = threadIdx.x; i < 2 * Cfg::ACC_ELEMS; i += NT) sdK[i] = 0.f;  // sdK, sdV adjacent
+  constexpr int NACC = Cfg::ACC_IN_REGS ? DP / 8 : 1;
+  float acc_dk[NACC][4] = {}, acc_dv[NACC][4] = {};  // ACC_IN_REGS: C fragments, keys x dims
 
   int i_begin, i_end;
   query_range(p, n0, BN, i_begin, i_end);
@@ -448,13 +601,15 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dkdv_kernel(const Attn
       const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
       for (int m0 = (i_begin / BM) * BM; m0 < i_end; m0 += BM) {
         __syncthreads();  // previous block's sQ / sdO / sLse / sDelta no longer read
-        load_tile<BM, DP, LD, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
-        load_tile<BM, DP, LD, NT>(sdO, do_base, p.do_sl, m0, p.Lq, p.Dv, p.vec_do);
+        load_tile_async<BM, DP, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+        load_tile_async<BM, DP, NT>(sdO, do_base, p.do_sl, m0, p.Lq, p.Dv, p.vec_do);
+        cp_async_commit();
         for (int r = threadIdx.x; r < BM; r += NT) {
           const int i = m0 + r;
           sLse[r] = i < p.Lq ? p.lse_in[bh * p.Lq + i] * kLog2e : -INFINITY;
           sDelta[r] = i < p.Lq ? p.delta[bh * p.Lq + i] : 0.f;
         }
+        cp_async_wait<0>();  // this block's Q / dO (and, the first time, K / V) landed
         __syncthreads();
 
         // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
@@ -463,19 +618,21 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dkdv_kernel(const Attn
 #pragma unroll
         for (int kk = 0; kk < DP / 16; ++kk) {
           uint32_t a[4];
-          load_a_frag(a, sK, LD, warp * 16, kk * 16, lane);
+          ldsm_a<DP>(a, sK, wrow, kk * 16, lane);
 #pragma unroll
-          for (int nt = 0; nt < BM / 8; ++nt) {
-            uint32_t b0, b1;
-            load_b_frag_rows(b0, b1, sQ, LD, nt * 8, kk * 16, lane);
-            M16::mma(st[nt], a, b0, b1);
+          for (int np = 0; np < BM / 16; ++np) {
+            uint32_t bq[4];
+            ldsm_b<DP>(bq, sQ, np * 16, kk * 16, lane);
+            M16::mma(st[2 * np], a, bq[0], bq[1]);
+            M16::mma(st[2 * np + 1], a, bq[2], bq[3]);
           }
-          load_a_frag(a, sV, LD, warp * 16, kk * 16, lane);
+          ldsm_a<DP>(a, sV, wrow, kk * 16, lane);
 #pragma unroll
-          for (int nt = 0; nt < BM / 8; ++nt) {
-            uint32_t b0, b1;
-            load_b_frag_rows(b0, b1, sdO, LD, nt * 8, kk * 16, lane);
-            M16::mma(dpt[nt], a, b0, b1);
+          for (int np = 0; np < BM / 16; ++np) {
+            uint32_t bo[4];
+            ldsm_b<DP>(bo, sdO, np * 16, kk * 16, lane);
+            M16::mma(dpt[2 * np], a, bo[0], bo[1]);
+            M16::mma(dpt[2 * np + 1], a, bo[2], bo[3]);
           }
         }
         // st <- P^T * Z (operand of dV), dpt <- dS^T (operand of dK).
@@ -512,78 +669,95 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dkdv_kernel(const Attn
         uint32_t a_p[BM / 16][4], a_ds[BM / 16][4];
 #pragma unroll
         for (int ks = 0; ks < BM / 16; ++ks) {
-          a_p[ks][0] = M16::pack(st[2 * ks][0], st[2 * ks][1]);
-          a_p[ks][1] = M16::pack(st[2 * ks][2], st[2 * ks][3]);
-          a_p[ks][2] = M16::pack(st[2 * ks + 1][0], st[2 * ks + 1][1]);
-          a_p[ks][3] = M16::pack(st[2 * ks + 1][2], st[2 * ks + 1][3]);
-          a_ds[ks][0] = M16::pack(dpt[2 * ks][0], dpt[2 * ks][1]);
-          a_ds[ks][1] = M16::pack(dpt[2 * ks][2], dpt[2 * ks][3]);
-          a_ds[ks][2] = M16::pack(dpt[2 * ks + 1][0], dpt[2 * ks + 1][1]);
-          a_ds[ks][3] = M16::pack(dpt[2 * ks + 1][2], dpt[2 * ks + 1][3]);
+          acc_to_a<M16>(a_p[ks], st, ks);
+          acc_to_a<M16>(a_ds[ks], dpt, ks);
         }
-        // dV += (P Z)^T dO and dK += dS^T Q, 8 columns at a time, into this lane's own
-        // accumulator elements (rows kr[0] / kr[1], columns dt * 8 + 2t, +1).
+        // dV += (P Z)^T dO and dK += dS^T Q, 16 columns at a time, into this lane's own
+        // accumulator elements (rows kr[0] / kr[1], columns dp * 16 + nt * 8 + 2t, +1).
 #pragma unroll
-        for (int dt = 0; dt < DP / 8; ++dt) {
-          float cv[4] = {}, ck[4] = {};
+        for (int dp = 0; dp < DP / 16; ++dp) {
+          if constexpr (Cfg::ACC_IN_REGS) {
+#pragma unroll
+            for (int ks = 0; ks < BM / 16; ++ks) {
+              uint32_t bb[4];
+              ldsm_bt<DP>(bb, sdO, ks * 16, dp * 16, lane);
+              M16::mma(acc_dv[2 * dp], a_p[ks], bb[0], bb[1]);
+              M16::mma(acc_dv[2 * dp + 1], a_p[ks], bb[2], bb[3]);
+              ldsm_bt<DP>(bb, sQ, ks * 16, dp * 16, lane);
+              M16::mma(acc_dk[2 * dp], a_ds[ks], bb[0], bb[1]);
+              M16::mma(acc_dk[2 * dp + 1], a_ds[ks], bb[2], bb[3]);
+            }
+            continue;
+          }
+          float cv[2][4] = {}, ck[2][4] = {};
 #pragma unroll
           for (int ks = 0; ks < BM / 16; ++ks) {
-            uint32_t b0, b1;
-            load_b_frag_cols(b0, b1, sdO, LD, dt * 8, ks * 16, lane);
-            M16::mma(cv, a_p[ks], b0, b1);
-            load_b_frag_cols(b0, b1, sQ, LD, dt * 8, ks * 16, lane);
-            M16::mma(ck, a_ds[ks], b0, b1);
+            uint32_t bb[4];
+            ldsm_bt<DP>(bb, sdO, ks * 16, dp * 16, lane);
+            M16::mma(cv[0], a_p[ks], bb[0], bb[1]);
+            M16::mma(cv[1], a_p[ks], bb[2], bb[3]);
+            ldsm_bt<DP>(bb, sQ, ks * 16, dp * 16, lane);
+            M16::mma(ck[0], a_ds[ks], bb[0], bb[1]);
+            M16::mma(ck[1], a_ds[ks], bb[2], bb[3]);
           }
-          const int c = dt * 8 + 2 * t;
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            sdV[kr[r] * LDA + c] += cv[2 * r];
-            sdV[kr[r] * LDA + c + 1] += cv[2 * r + 1];
-            sdK[kr[r] * LDA + c] += ck[2 * r];
-            sdK[kr[r] * LDA + c + 1] += ck[2 * r + 1];
+          for (int nt = 0; nt < 2; ++nt) {
+            const int c = dp * 16 + nt * 8 + 2 * t;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              acc_add2<DP>(sdV, kr[r], c, cv[nt][2 * r], cv[nt][2 * r + 1]);
+              acc_add2<DP>(sdK, kr[r], c, ck[nt][2 * r], ck[nt][2 * r + 1]);
+            }
           }
         }
       }
     }
   }
-  __syncthreads();  // all warps' accumulators (and the zero fill) are complete
+  cp_async_wait<0>();  // K / V landed even when no query block was visited
   uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
   uint16_t* dv = p.dv + (int64_t{b} * p.Hkv + hk) * p.Lk * p.Dv;
+  if constexpr (Cfg::ACC_IN_REGS) {
+    // Lane (g, t) holds keys kr[0], kr[1] x columns dt * 8 + 2t, +1 of dK and dV.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int j = j_row[r];
+      if (j >= p.Lk) continue;
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = dt * 8 + 2 * t + e;
+          if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(acc_dk[dt][2 * r + e] * p.scale);
+          if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(acc_dv[dt][2 * r + e]);
+        }
+      }
+    }
+    return;
+  }
+  __syncthreads();  // all warps' shared accumulators (and the zero fill) are complete
   for (int idx = threadIdx.x; idx < BN * DP; idx += NT) {
     const int r = idx / DP, c = idx % DP;
     const int j = n0 + r;
     if (j >= p.Lk) continue;
-    if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(sdK[r * LDA + c] * p.scale);
-    if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(sdV[r * LDA + c]);
+    if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(sdK[A::offset(r, c)] * p.scale);
+    if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(sdV[A::offset(r, c)]);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward 3/3: dQ (and dmask), one CTA per (BM queries, b, h).
 
-template <int DP_, int BM_, int BN_>
-struct BwdQCfg {
-  static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
-  static constexpr int LD = DP + 8;
-  static constexpr int LDA = DP + 4;
-  static constexpr int Q_ELEMS = BM * LD, K_ELEMS = BN * LD, ACC_ELEMS = BM * LDA;
-  static constexpr int SMEM = (2 * Q_ELEMS + 2 * K_ELEMS) * 2 + ACC_ELEMS * 4;
-  static_assert(BN % 16 == 0 && BM % 16 == 0 && DP % 16 == 0, "mma tiles are 16 deep");
-  static_assert((K_ELEMS * 2) % 16 == 0 && (Q_ELEMS * 2) % 16 == 0, "sections 16-byte aligned");
-  static_assert(SMEM <= kSm80SmemOptin, "dQ tile does not fit in sm_80 shared memory");
-};
-
-template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dq_kernel(const AttnParams p) {
+template <typename T, typename Cfg, int SMEM_BYTES>
+__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const AttnParams p) {
+  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
   using M16 = Mma16<T>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, LD = Cfg::LD, LDA = Cfg::LDA;
-  constexpr int NT = Cfg::NTHREADS;
+  using A = AccTile<Cfg::DP>;
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sdO = sQ + Cfg::Q_ELEMS;
-  uint16_t* sK = sdO + Cfg::Q_ELEMS;
-  uint16_t* sV = sK + Cfg::K_ELEMS;
-  float* sdQ = reinterpret_cast<float*>(sV + Cfg::K_ELEMS);
+  uint16_t* sKV = sdO + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s K_ELEMS, V right after it
+  float* sdQ = reinterpret_cast<float*>(sKV + Cfg::STAGES * 2 * Cfg::K_ELEMS);
 
   const int num_qb = (p.Lq + BM - 1) / BM;
   const int qb = static_cast<int>(blockIdx.x % num_qb);
@@ -592,13 +766,15 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dq_kernel(const AttnPa
   const int hk = h / p.group;
   const int m0 = qb * BM;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
-  const int r_loc[2] = {warp * 16 + (lane >> 2), warp * 16 + (lane >> 2) + 8};
+  const int wrow = warp * 16;
+  const int r_loc[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};
   const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
 
-  load_tile<BM, DP, LD, NT>(sQ, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
-  load_tile<BM, DP, LD, NT>(sdO, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0, p.Lq, p.Dv,
-                            p.vec_do);
-  zero_floats<Cfg::ACC_ELEMS, NT>(sdQ);
+  load_tile_async<BM, DP, NT>(sQ, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+  load_tile_async<BM, DP, NT>(sdO, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0, p.Lq, p.Dv,
+                              p.vec_do);
+  cp_async_commit();
+  for (int i = threadIdx.x; i < Cfg::ACC_ELEMS; i += NT) sdQ[i] = 0.f;
   const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* v_base = p.v + b * p.v_sb + hk * p.v_sh;
 
@@ -618,31 +794,48 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dq_kernel(const AttnPa
 
   int n_begin, n_end;
   key_range(p, m0, BM, n_begin, n_end);
-  if (n_begin < n_end) {
-    for (int n0 = (n_begin / BN) * BN; n0 < n_end; n0 += BN) {
-      __syncthreads();  // previous sK / sV no longer read (and sQ / sdO / sdQ ready)
-      load_tile<BN, DP, LD, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
-      load_tile<BN, DP, LD, NT>(sV, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
-      __syncthreads();
+  const int n_first = (n_begin / BN) * BN;
+  const int num_tiles = n_begin < n_end ? (n_end - n_first + BN - 1) / BN : 0;
+  auto load_kv = [&](int stage, int n0) {
+    uint16_t* sK = sKV + stage * 2 * Cfg::K_ELEMS;
+    load_tile_async<BN, DP, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+    load_tile_async<BN, DP, NT>(sK + Cfg::K_ELEMS, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
+  };
+  // Groups: Q / dO (committed above), then key tile 0 (empty when there is none).
+  if (num_tiles > 0) load_kv(0, n_first);
+  cp_async_commit();
+  if (num_tiles > 0) {
+    for (int it = 0; it < num_tiles; ++it) {
+      const int n0 = n_first + it * BN;
+      // Prefetch tile it + 1 into the other buffer (its last reader, tile it - 1, passed the
+      // barrier at the end of the previous iteration).
+      if (it + 1 < num_tiles) load_kv((it + 1) & 1, n0 + BN);
+      cp_async_commit();
+      cp_async_wait<1>();  // all but the prefetch: Q / dO and tile it landed (this thread's part)
+      __syncthreads();     // ... in every thread (and, the first time, sdQ's zero fill is done)
+      const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::K_ELEMS;
+      const uint16_t* sV = sK + Cfg::K_ELEMS;
 
       float s[BN / 8][4] = {};
       float dp[BN / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < DP / 16; ++kk) {
         uint32_t a[4];
-        load_a_frag(a, sQ, LD, warp * 16, kk * 16, lane);
+        ldsm_a<DP>(a, sQ, wrow, kk * 16, lane);
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-          uint32_t b0, b1;
-          load_b_frag_rows(b0, b1, sK, LD, nt * 8, kk * 16, lane);
-          M16::mma(s[nt], a, b0, b1);
+        for (int np = 0; np < BN / 16; ++np) {
+          uint32_t bk[4];
+          ldsm_b<DP>(bk, sK, np * 16, kk * 16, lane);
+          M16::mma(s[2 * np], a, bk[0], bk[1]);
+          M16::mma(s[2 * np + 1], a, bk[2], bk[3]);
         }
-        load_a_frag(a, sdO, LD, warp * 16, kk * 16, lane);
+        ldsm_a<DP>(a, sdO, wrow, kk * 16, lane);
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-          uint32_t b0, b1;
-          load_b_frag_rows(b0, b1, sV, LD, nt * 8, kk * 16, lane);
-          M16::mma(dp[nt], a, b0, b1);
+        for (int np = 0; np < BN / 16; ++np) {
+          uint32_t bv[4];
+          ldsm_b<DP>(bv, sV, np * 16, kk * 16, lane);
+          M16::mma(dp[2 * np], a, bv[0], bv[1]);
+          M16::mma(dp[2 * np + 1], a, bv[2], bv[3]);
         }
       }
       // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile.
@@ -671,66 +864,42 @@ __global__ void __launch_bounds__(Cfg::NTHREADS) attn_bwd_dq_kernel(const AttnPa
           s[nt][e] = ds;
         }
       }
-      // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) from K's rows.
+      // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
       uint32_t a_ds[BN / 16][4];
 #pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) {
-        a_ds[ks][0] = M16::pack(s[2 * ks][0], s[2 * ks][1]);
-        a_ds[ks][1] = M16::pack(s[2 * ks][2], s[2 * ks][3]);
-        a_ds[ks][2] = M16::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-        a_ds[ks][3] = M16::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-      }
+      for (int ks = 0; ks < BN / 16; ++ks) acc_to_a<M16>(a_ds[ks], s, ks);
 #pragma unroll
-      for (int dt = 0; dt < DP / 8; ++dt) {
-        float c4[4] = {};
+      for (int dq = 0; dq < DP / 16; ++dq) {
+        float c[2][4] = {};
 #pragma unroll
         for (int ks = 0; ks < BN / 16; ++ks) {
-          uint32_t b0, b1;
-          load_b_frag_cols(b0, b1, sK, LD, dt * 8, ks * 16, lane);
-          M16::mma(c4, a_ds[ks], b0, b1);
+          uint32_t bk[4];
+          ldsm_bt<DP>(bk, sK, ks * 16, dq * 16, lane);
+          M16::mma(c[0], a_ds[ks], bk[0], bk[1]);
+          M16::mma(c[1], a_ds[ks], bk[2], bk[3]);
         }
-        const int c = dt * 8 + 2 * t;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          sdQ[r_loc[r] * LDA + c] += c4[2 * r];
-          sdQ[r_loc[r] * LDA + c + 1] += c4[2 * r + 1];
+        for (int nt = 0; nt < 2; ++nt) {
+          const int col = dq * 16 + nt * 8 + 2 * t;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) acc_add2<DP>(sdQ, r_loc[r], col, c[nt][2 * r], c[nt][2 * r + 1]);
         }
       }
+      __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
     }
   }
-  __syncthreads();
+  cp_async_wait<0>();  // nothing may land after the CTA exits
+  __syncthreads();     // every lane's dQ accumulators (or the zero fill) complete
   uint16_t* dq = p.dq + bh * p.Lq * p.D;
   for (int idx = threadIdx.x; idx < BM * DP; idx += NT) {
     const int r = idx / DP, c = idx % DP;
     const int i = m0 + r;
-    if (i < p.Lq && c < p.D) dq[int64_t{i} * p.D + c] = M16::from_float(sdQ[r * LDA + c] * p.scale);
+    if (i < p.Lq && c < p.D) dq[int64_t{i} * p.D + c] = M16::from_float(sdQ[A::offset(r, c)] * p.scale);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Host side.
-
-// Tile configurations per padded head dim.
-template <int DP>
-struct Configs;
-template <>
-struct Configs<64> {
-  using Fwd = FwdCfg<64, 64>;
-  using KV = BwdKVCfg<64, 64, 64>;
-  using Q = BwdQCfg<64, 64, 64>;
-};
-template <>
-struct Configs<128> {
-  using Fwd = FwdCfg<128, 64>;
-  using KV = BwdKVCfg<128, 64, 32>;
-  using Q = BwdQCfg<128, 64, 64>;
-};
-template <>
-struct Configs<256> {
-  using Fwd = FwdCfg<256, 32>;
-  using KV = BwdKVCfg<256, 32, 32>;
-  using Q = BwdQCfg<256, 32, 32>;
-};
 
 template <typename Fn>
 void with_head_bucket(int64_t d_max, Fn&& fn) {
@@ -844,7 +1013,7 @@ template <typename T, int DP>
 void run_fwd(const AttnParams& p, int device, cudaStream_t stream) {
   using Cfg = typename Configs<DP>::Fwd;
   const int64_t blocks = ceil_div(p.Lq, Cfg::BM) * p.B * p.H;
-  launch(attn_fwd_kernel<T, Cfg>, blocks, Cfg::NTHREADS, Cfg::SMEM, p, device, stream,
+  launch(attn_fwd_kernel<T, Cfg, Cfg::SMEM>, blocks, Cfg::NTHREADS, Cfg::SMEM, p, device, stream,
          "attention_fwd");
 }
 
@@ -857,9 +1026,9 @@ void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
     attn_bwd_delta_kernel<T><<<grid_1d(ceil_div(rows, 4)), 128, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  launch(attn_bwd_dkdv_kernel<T, KV>, ceil_div(p.Lk, KV::BN) * p.B * p.Hkv, KV::NTHREADS,
+  launch(attn_bwd_dkdv_kernel<T, KV, KV::SMEM>, ceil_div(p.Lk, KV::BN) * p.B * p.Hkv, KV::NTHREADS,
          KV::SMEM, p, device, stream, "attention_bwd (dK/dV)");
-  launch(attn_bwd_dq_kernel<T, Q>, ceil_div(p.Lq, Q::BM) * p.B * p.H, Q::NTHREADS, Q::SMEM, p,
+  launch(attn_bwd_dq_kernel<T, Q, Q::SMEM>, ceil_div(p.Lq, Q::BM) * p.B * p.H, Q::NTHREADS, Q::SMEM, p,
          device, stream, "attention_bwd (dQ)");
 }
 

@@ -200,8 +200,12 @@ __global__ void __launch_bounds__(kMaxBlockThreads) layer_norm_fwd_kernel(const 
 // Shared memory, backward, in this order: when p.acc_shared, per group n floats of dweight
 // accumulators (if part_w) and n floats of dbias accumulators (if part_b); then when p.cache, per
 // group the h row and the dy row as n / kVec vectors of T.
+// The warp-per-row variant is always launched with kWarpsPerBlock warps (row_groups): bounding it
+// by that (and asking for just one resident block) instead of kMaxBlockThreads lets ptxas give it
+// the registers it needs; before, it kept it at 64-72 registers and spilled 24-32 bytes.
 template <typename T, typename W, int kVec, bool kWarp>
-__global__ void __launch_bounds__(kMaxBlockThreads) layer_norm_bwd_kernel(const BwdParams<T, W> p) {
+__global__ void __launch_bounds__(kWarp ? kWarpsPerBlock * kWarpSize : kMaxBlockThreads, 1)
+    layer_norm_bwd_kernel(const BwdParams<T, W> p) {
   using VT = Vec<T, kVec>;
   using VW = Vec<W, kVec>;
   extern __shared__ float4 smem[];

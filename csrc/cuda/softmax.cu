@@ -160,8 +160,10 @@ __device__ __forceinline__ void load_row_chunk(const T* in, int64_t c0, int64_t 
 // ---------------------------------------------------------------------------------------------
 // Warp per row (Lk <= 1024). Lane `lane` owns columns (it * 32 + lane) * VEC + e.
 
+// (kWarpThreads, 1): without a minimum of one block per SM ptxas kept the 32-element variants
+// under ~96 registers and spilled 8-16 bytes; with it they use 110-114, no spills.
 template <typename T, int VEC, int ITERS>
-__global__ void __launch_bounds__(kWarpThreads) softmax_fwd_warp_kernel(FwdParams p) {
+__global__ void __launch_bounds__(kWarpThreads, 1) softmax_fwd_warp_kernel(FwdParams p) {
   static_assert(VEC * ITERS <= kMaxWarpElems, "row chunk exceeds the warp path's registers");
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;

@@ -110,8 +110,9 @@ def cuobjdump() -> str | None:
     return path if os.path.exists(path) else None
 
 
-def sass_of(cubin: bytes | str) -> dict[str, str]:
-    """{function: its SASS text} of a cubin (bytes) or of an object/cubin file (path)."""
+def sass_of(cubin: bytes | str, arch: str | None = None) -> dict[str, str]:
+    """{function: its SASS text} of a cubin (bytes) or of an object/cubin file (path); ``arch``
+    (e.g. "sm_90a") keeps only that architecture's code of a multi-architecture object."""
     tool = cuobjdump()
     if tool is None:
         raise RuntimeError("cuobjdump not found (neither beside nvcc nor in the triton wheel)")
@@ -121,7 +122,8 @@ def sass_of(cubin: bytes | str) -> dict[str, str]:
             path = os.path.join(tmp, "k.cubin")
             with open(path, "wb") as f:
                 f.write(cubin)
-        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+        cmd = [tool, "-sass", *(["-arch", arch] if arch else []), path]
+        text = subprocess.run(cmd, capture_output=True, text=True,
                               check=True).stdout
     funcs: dict[str, list[str]] = {}
     current = None
@@ -146,14 +148,14 @@ def print_table(rows: list[Row], title: str = "") -> None:
     """One line per row, then totals."""
     if title:
         print(title)
-    header = f"{'kernel':34} {'case':38} {'config':18} {'regs':>4} {'spill st/ld':>12} " \
+    header = f"{'kernel':34} {'case':38} {'config':26} {'regs':>4} {'spill st/ld':>12} " \
              f"{'smem':>7} {'status':6} features / problems"
     print(header)
     print("-" * len(header))
     for r in rows:
         spill = f"{r.spill_stores}/{r.spill_loads}"
         note = ", ".join(r.problems) or " ".join(r.features)
-        print(f"{r.kernel[:34]:34} {r.case[:38]:38} {r.config[:18]:18} "
+        print(f"{r.kernel[:34]:34} {r.case[:38]:38} {r.config[:26]:26} "
               f"{'' if r.regs is None else r.regs:>4} {spill:>12} {r.smem:>7} {r.status:6} {note}")
     print(summary(rows))
 

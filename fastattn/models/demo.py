@@ -8,7 +8,8 @@
 
 Each phase trains for ``--seconds`` (default 30) with a progress bar (tqdm when installed) and
 writes the losses (``losses.json``), the summary (``summary.json``) and, when matplotlib is
-installed, the loss curves (``loss.png``) to ``--out``.
+installed, the loss curves (``loss.png``) to ``--out`` (default: a new temporary directory, whose
+path is printed; nothing is written to the current directory unless asked).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-steps", type=int, default=None, help="stop a task after this many steps")
     parser.add_argument("--backend", default=None, help="fastattn backend (default: automatic)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--out", default="fastattn-demo", help="folder for losses, summary and loss.png")
+    parser.add_argument("--out", default=None,
+                        help="folder for losses, summary and loss.png (default: a new temporary directory, printed)")
     parser.add_argument("--corpus", default=str(CORPUS), help="text file for the GPT (default: the shipped story)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -235,9 +238,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, device: torch.device) -> int:
     torch.manual_seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.out is None:
+        out = Path(tempfile.mkdtemp(prefix="fastattn-demo-"))
+    else:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    log(f"output folder: {out}")
     log(f"fastattn demo on {device} (backend: {args.backend or 'automatic'}), {args.seconds:g} s per task")
     results = {}
     if args.task in ("reverse", "all"):

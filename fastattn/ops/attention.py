@@ -292,6 +292,69 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _sdpa_shapes(q, k, v, attn_mask, dropout_p, enable_gqa):
+    """torch's rules for scaled_dot_product_attention's arguments. Returns ``(batch, H, Hkv)``:
+    the broadcast leading dims before the heads, and the query and key/value head counts."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"query, key and value must be at least 2-D (..., length, dim), got shapes "
+                             f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"query has dtype {q.dtype}; supported: {list(_DTYPES)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"query {list(q.shape)} and key {list(k.shape)} must share the last dim (the head dim)")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"key {list(k.shape)} and value {list(v.shape)} must share the length (dim -2)")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    try:
+        if enable_gqa and min(q.dim(), k.dim(), v.dim()) >= 3 and k.shape[-3] != q.shape[-3]:
+            H, hkv = q.shape[-3], k.shape[-3]
+            if v.shape[-3] != hkv:
+                raise ValueError(f"key {list(k.shape)} and value {list(v.shape)} must share the heads (dim -3)")
+            if hkv == 0 or H % hkv:
+                raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({hkv}) (dim -3)")
+            batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        else:
+            lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            batch, H = (lead[:-1], lead[-1]) if lead else (torch.Size(), 1)
+            hkv = H
+    except RuntimeError:
+        raise ValueError(f"the leading dims of query {list(q.shape)}, key {list(k.shape)} and value "
+                         f"{list(v.shape)} do not broadcast (pass enable_gqa=True for fewer key/value heads)") from None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
+            raise TypeError(f"attn_mask must be bool, float32 or the query's dtype {q.dtype}, got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}")
+        target = (*batch, H, q.shape[-2], k.shape[-2])
+        try:
+            if attn_mask.dim() > len(target) or torch.broadcast_shapes(attn_mask.shape, target) != target:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"attn_mask of shape {list(attn_mask.shape)} is not broadcastable to the "
+                             f"attention weights' shape {list(target)}") from None
+    return batch, H, hkv
+
+
+def _zeros_on_graph(shape, *inputs) -> Tensor:
+    """Zeros of ``shape`` whose gradient with respect to each input is zero (not None), as
+    PyTorch returns for outputs that depend on nothing (no keys, dropout_p=1)."""
+    out = inputs[0].new_zeros(shape)
+    for t in inputs:
+        if t is not None and t.requires_grad:
+            out = out + t.flatten()[:0].sum()  # an exact 0 that keeps the input on the graph
+    return out
+
+
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -304,15 +367,42 @@ def scaled_dot_product_attention(
     *,
     backend: str | None = None,
 ) -> Tensor:
-    """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (same arguments and
-    meaning: bool mask True = may attend, float mask added, ``is_causal`` top-left aligned).
+    """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention`, with its rules:
+    ``query (..., L, E)``, ``key (..., S, E)``, ``value (..., S, Ev)`` with any number of leading
+    dims, broadcast against each other (with ``enable_gqa``, dim -3 holds the heads and the
+    query's may be a multiple of the key/value's); ``attn_mask`` bool (True = may attend) or
+    float (added; float32 or the query's dtype), broadcastable to the weights ``(..., L, S)``;
+    ``is_causal`` (top-left aligned; not with a mask); ``dropout_p`` in [0, 1]. Returns
+    ``(..., L, Ev)``. Corner cases as PyTorch: head dim 0 (all scores 0), no keys (output 0),
+    empty outputs, ``dropout_p=1`` (output 0, gradients 0).
 
-    One difference: a query row that may attend no key outputs 0 with gradient 0, where
-    PyTorch's math backend returns NaN.
+    A query row that may attend no key outputs 0 with gradient 0.
     """
     if is_causal and attn_mask is not None:
-        raise ValueError("pass either attn_mask or is_causal=True, not both (as in PyTorch)")
-    return attention(
-        query, key, value, attn_mask, causal=bool(is_causal), scale=scale, dropout_p=dropout_p,
-        enable_gqa=enable_gqa, backend=backend,
+        # PyTorch documents this as an error (its math kernel raises; its CPU flash kernel
+        # happens to combine them): fastattn.attention takes both.
+        raise ValueError("pass either attn_mask or is_causal=True, not both (as documented by PyTorch)")
+    batch, H, hkv = _sdpa_shapes(query, key, value, attn_mask, dropout_p, enable_gqa)
+    L, E, S, Ev = query.shape[-2], query.shape[-1], key.shape[-2], value.shape[-1]
+    out_shape = (*batch, H, L, Ev) if max(query.dim(), key.dim(), value.dim()) > 2 else (L, Ev)
+    if math.prod(out_shape) == 0 or S == 0 or dropout_p == 1.0:
+        return _zeros_on_graph(out_shape, query, key, value, attn_mask)
+
+    B = math.prod(batch)
+
+    def four_d(t: Tensor, heads: int) -> Tensor:  # (*batch, heads, len, dim) -> (B, heads, len, dim)
+        return t.expand(*batch, heads, *t.shape[-2:]).reshape(B, heads, *t.shape[-2:])
+
+    q, k, v = four_d(query, H), four_d(key, hkv), four_d(value, hkv)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.expand(*batch, H, L, S).reshape(B, H, L, S)
+        if mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+    if E == 0:  # every score is 0 whatever the scale (PyTorch's 1/sqrt(0) multiplies nothing);
+        scale, backend = 1.0, "naive"  # the compiled kernels need a head dim, the result is the same
+    out = attention(
+        q, k, v, mask, causal=bool(is_causal), scale=scale, dropout_p=dropout_p,
+        enable_gqa=hkv != H, backend=backend,
     )
+    return out.reshape(out_shape)

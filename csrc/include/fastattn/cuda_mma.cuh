@@ -1,6 +1,7 @@
 // Tensor-core helpers for the CUDA attention kernels: the PTX mma.sync m16n8k16 instruction
-// (float16 or bfloat16 inputs, float32 accumulators; sm_80 and newer) and the bit-level
-// conversions its packed operands need. Included only from .cu files, after cuda_helpers.cuh
+// (float16 or bfloat16 inputs, float32 accumulators; sm_80 and newer), the bit-level
+// conversions its packed operands need, ldmatrix and cp.async. The index math that goes with them
+// (swizzled tiles, ldmatrix row addresses) is in cuda_layout.cuh. Included only from .cu files, after cuda_helpers.cuh
 // (same namespace, fastattn::cuda_helpers).
 //
 // Fragment layout of mma.sync.aligned.m16n8k16.row.col (PTX ISA, "Matrix Fragments for
@@ -79,44 +80,42 @@ struct Mma16<c10::BFloat16> {
   }
 };
 
-// Shared-memory operand loads (tiles of 16-bit elements, row stride `ld` elements).
-// Two consecutive elements p[0], p[1] as one .b32 (p must be 4-byte aligned).
-__device__ __forceinline__ uint32_t ld_pair(const uint16_t* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
-// Two elements one row apart, p[0] and p[ld], packed (p[0] low).
-__device__ __forceinline__ uint32_t ld_pair_strided(const uint16_t* p, int ld) {
-  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[ld]) << 16);
+// ---------------------------------------------------------------------------------------------
+// ldmatrix and cp.async (sm_80+). Row addresses for ldmatrix come from cuda_layout.cuh
+// (ldsm_a_row / ldsm_b_row ...): each lane passes the start of one 16-byte row of one of the four
+// 8x8 matrices; the destination registers follow the mma fragment order documented there.
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// The A fragment of rows [r0, r0 + 16), k-columns [k0, k0 + 16) of a row-major tile.
-__device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], const uint16_t* tile, int ld, int r0,
-                                            int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const uint16_t* p = tile + (r0 + g) * ld + k0 + 2 * t;
-  a[0] = ld_pair(p);
-  a[1] = ld_pair(p + 8 * ld);
-  a[2] = ld_pair(p + 8);
-  a[3] = ld_pair(p + 8 * ld + 8);
+// Four 8x8 matrices of 16-bit elements; r[m] holds lane 4g + t's word of matrix m.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row_addr)));
+}
+// The same, each matrix transposed.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row_addr)));
 }
 
-// The B fragment (k-steps [k0, k0 + 16), n-columns [n0, n0 + 8)) of B = X^T for a row-major tile X
-// whose rows are B's columns: B[k][n] = X[n0 + n][k0 + k]. Used for K^T, Q^T, V^T, dO^T operands.
-__device__ __forceinline__ void load_b_frag_rows(uint32_t& b0, uint32_t& b1, const uint16_t* tile,
-                                                 int ld, int n0, int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const uint16_t* p = tile + (n0 + g) * ld + k0 + 2 * t;
-  b0 = ld_pair(p);
-  b1 = ld_pair(p + 8);
+// 16 bytes global -> shared without passing through registers (both 16-byte aligned); completes
+// asynchronously: visible to this thread after cp_async_wait, to the block after a barrier too.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem)
+               : "memory");
 }
-
-// The B fragment of B = X for a row-major tile X (k along X's rows): B[k][n] = X[k0 + k][n0 + n].
-__device__ __forceinline__ void load_b_frag_cols(uint32_t& b0, uint32_t& b1, const uint16_t* tile,
-                                                 int ld, int n0, int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const uint16_t* p = tile + (k0 + 2 * t) * ld + n0 + g;
-  b0 = ld_pair_strided(p, ld);
-  b1 = ld_pair_strided(p + 8 * ld, ld);
+// Closes the group of this thread's cp.async issued since the last commit (possibly empty).
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 }  // namespace cuda_helpers

@@ -1,0 +1,190 @@
+"""The CUDA half of the Hopper compile gate: every ``__global__`` kernel of csrc/cuda/*.cu as
+built for sm_90a, with exactly the nvcc flags the extension build uses, no GPU needed.
+
+Each .cu file is compiled ONCE (for sm_80 and sm_90a, as setup.py builds it; ``quick=True``:
+sm_90a only) with ``-Xptxas -v``; registers and spills come from ptxas' sm_90a report
+(:func:`fastattn.aot.report.parse_ptxas`), the instructions from the sm_90a SASS of the same object
+(:func:`fastattn.aot.report.sass_of`). Shared memory is the static amount ptxas reports plus, for
+the attention kernels, the dynamic amount their launch asks for, which they carry as their last
+template argument (``attn_fwd_kernel<T, Cfg, SMEM>``) so that it can be read off the symbol.
+
+Budgets (:data:`KERNEL_RULES`): 0 bytes of spills for every kernel unless a reason is written
+beside a larger one; the attention kernels (forward, dK/dV, dQ) must use ldmatrix, cp.async and
+mma.sync. ``python .ci/compile_cuda.py`` (``make check-cuda``) prints the table and fails on a
+compile error, a spill over budget or a missing instruction.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+from fastattn.aot.report import Row, parse_ptxas, sass_features, sass_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARCH = "sm_90a"
+GENCODE = {
+    "sm_80": ["-gencode", "arch=compute_80,code=sm_80"],
+    "sm_90a": ["-gencode", "arch=compute_90a,code=sm_90a"],
+}
+
+
+class CudaToolsMissing(RuntimeError):
+    """nvcc (or the csrc/ tree) is not there: the CUDA half cannot run on this machine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRule:
+    pattern: str                      # regex searched in the kernel's base name
+    spill_budget: int = 0             # bytes of spill stores + loads allowed
+    required: tuple[str, ...] = ()    # SASS features it must hold
+    reason: str = ""                  # why a budget is not 0
+
+
+#: First match wins; kernels no rule names get budget 0 and no required instruction.
+KERNEL_RULES = (
+    KernelRule(r"^attn_(fwd|bwd_dkdv|bwd_dq)_kernel$", required=("ldmatrix", "cp.async", "mma")),
+    KernelRule(r"^attn_bwd_delta_kernel$"),
+)
+
+
+def setup_nvcc_flags(setup_py: str | None = None) -> list[str]:
+    """The ``nvcc = [...]`` flag list of setup.py (read, not copied, so the two cannot drift)."""
+    setup_py = setup_py or os.path.join(ROOT, "setup.py")
+    with open(setup_py) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "nvcc"):
+            return list(ast.literal_eval(node.value))
+    raise CudaToolsMissing(f"no `nvcc = [...]` flag list in {setup_py}")
+
+
+def torch_nvcc_flags() -> list[str]:
+    """What torch.utils.cpp_extension's BuildExtension adds to every nvcc call of a CUDAExtension:
+    its COMMON_NVCC_FLAGS (the __CUDA_NO_HALF_OPERATORS__ family), the extension defines, the C++
+    ABI, -fPIC, and the torch include paths."""
+    import torch
+    from torch.utils import cpp_extension as ce
+
+    flags = list(ce.COMMON_NVCC_FLAGS)
+    flags += ["-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    abi = getattr(ce, "_get_pybind11_abi_build_flags", None)
+    if abi is not None:
+        flags += list(abi())
+    flags += ["-Xcompiler", "-fPIC"]
+    flags += [f"-I{p}" for p in ce.include_paths()]
+    return flags
+
+
+def nvcc_command(source: str, obj: str, archs: tuple[str, ...] = ("sm_80", "sm_90a")) -> list[str]:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise CudaToolsMissing("nvcc not found on PATH")
+    cmd = [nvcc, *setup_nvcc_flags(), *torch_nvcc_flags(), "-I", os.path.join(ROOT, "csrc", "include")]
+    for arch in archs:
+        cmd += GENCODE[arch]
+    return [*cmd, "-Xptxas", "-v", "-c", source, "-o", obj]
+
+
+def ptxas_for_arch(log: str, arch: str) -> str:
+    """The lines of a multi-architecture ``ptxas -v`` log that belong to `arch`'s functions (each
+    function's report follows its "Compiling entry function '...' for 'sm_XX'" line)."""
+    keep, out = False, []
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '[^']+' for '(\w+)'", line)
+        if m:
+            keep = m.group(1) == arch
+        if keep:
+            out.append(line)
+    return "\n".join(out)
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    tool = shutil.which("c++filt")
+    if tool is None or not names:
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
+
+
+def split_name(mangled: str, pretty: str) -> tuple[str, str, int]:
+    """(base name, compact template arguments, dynamic smem carried by an attention symbol)."""
+    text = re.sub(r"\((anonymous|\{anonymous\}) namespace\)::|fastattn::(cuda::)?|c10::", "", pretty)
+    text = re.sub(r"^void ", "", text)
+    m = re.match(r"([A-Za-z_]\w*)(?:<(.*)>)?\(", text)
+    if not m:
+        m2 = re.search(r"\d+([A-Za-z_]\w*?)I", mangled)
+        return (m2.group(1) if m2 else mangled), "", 0
+    base, args = m.group(1), (m.group(2) or "").replace(" ", "").replace("true", "1").replace("false", "0")
+    smem = 0
+    if base.startswith("attn_") and base != "attn_bwd_delta_kernel":
+        tail = re.search(r",(\d+)$", args)
+        if tail:
+            smem = int(tail.group(1))
+            args = args[: tail.start()]
+    return base, args, smem
+
+
+def rule_for(base: str) -> KernelRule:
+    for rule in KERNEL_RULES:
+        if re.search(rule.pattern, base):
+            return rule
+    return KernelRule(".*")
+
+
+def compile_file(source: str, out_dir: str, archs: tuple[str, ...]) -> list[Row]:
+    """One nvcc run of `source`; one Row per __global__ function of its sm_90a build."""
+    name = os.path.basename(source)
+    obj = os.path.join(out_dir, name + ".o")
+    proc = subprocess.run(nvcc_command(source, obj, archs), capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        errors = [ln for ln in log.splitlines() if "error" in ln][:3] or log.splitlines()[-3:]
+        return [Row(kernel=name, case="(whole file)", error=" | ".join(errors)[:400])]
+    resources = parse_ptxas(ptxas_for_arch(log, ARCH))
+    sass = sass_of(obj, arch=ARCH)
+    pretty = demangle(sorted(resources))
+    rows = []
+    for mangled, res in sorted(resources.items()):
+        base, args, dyn = split_name(mangled, pretty[mangled])
+        rule = rule_for(base)
+        dtype, _, rest = args.partition(",")  # the first template argument is the dtype
+        rows.append(Row(
+            kernel=base, case=f"{name} {dtype}".strip(), config=rest,
+            regs=res["regs"], spill_stores=res["spill_stores"], spill_loads=res["spill_loads"],
+            smem=res["smem"] + dyn, features=sass_features(sass.get(mangled, "")),
+            spill_budget=rule.spill_budget, required=rule.required,
+            error="" if mangled in sass else "no sm_90a SASS found for this function"))
+    return rows
+
+
+def cuda_sources() -> list[str]:
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    if not sources:
+        raise CudaToolsMissing(f"no CUDA sources under {os.path.join(ROOT, 'csrc', 'cuda')}")
+    return sources
+
+
+def cuda_rows(quick: bool = False, jobs: int | None = None) -> list[Row]:
+    """One Row per __global__ kernel of every csrc/cuda/*.cu for sm_90a. Each file is compiled
+    once, for sm_80 and sm_90a as setup.py builds it (``quick``: sm_90a only, about half the
+    time); files compile in parallel (``jobs``, default: the CPU count). Raises CudaToolsMissing
+    when nvcc or the sources are not there."""
+    if shutil.which("nvcc") is None:
+        raise CudaToolsMissing("nvcc not found on PATH")
+    archs = ("sm_90a",) if quick else ("sm_80", "sm_90a")
+    sources = cuda_sources()
+    with tempfile.TemporaryDirectory() as out, \
+            concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda s: compile_file(s, out, archs), sources))
+    return [row for rows in results for row in rows]
