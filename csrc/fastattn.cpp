@@ -35,6 +35,27 @@ TORCH_LIBRARY(fastattn, m) {
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? mask, float scale, int offset, int left, int right, float dropout_p, int seed, "
       "bool need_dmask) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  // Packed variable-length sequences: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv,
+  // Dv); sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1] (int32, (batch + 1,)). The band of
+  // each sequence uses its own lengths: offset Lk_b - Lq_b when bottom_right, else 0; left / right
+  // as for attention (unbounded: >= max_seqlen_q + max_seqlen_k). lse is (H, total_q) float32.
+  // Dropout: batch row b's stream, counter i * Lk_b + j.
+  m.def(
+      "varlen_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, bool bottom_right, "
+      "int left, int right, float dropout_p, int seed) -> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, "
+      "bool bottom_right, int left, int right, float dropout_p, int seed) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+  // Paged KV cache: q (B, H, Lq, D); caches (num_blocks, block_size, Hkv, D / Dv); block_table
+  // int32 (B, max_blocks); cache_seqlens int32 (B,) keys per sequence. Band as above with
+  // Lk = cache_seqlens[b] (unbounded: >= Lq + max_blocks * block_size). lse (B, H, Lq) float32.
+  m.def(
+      "paged_attention_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor cache_seqlens, float scale, bool bottom_right, int left, int right) "
+      "-> (Tensor out, Tensor lse)");
   // x: (M, D); w1: (F, D) or (2F, D) for gated activations; w2: (D2, F). Returns the output and
   // the pre-activation x @ w1^T + b1 (kept for backward, which recomputes the activation).
   m.def(

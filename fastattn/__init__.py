@@ -15,11 +15,14 @@ from fastattn.ops import (
     attention,
     ffn,
     layer_norm,
+    paged_attention,
+    paged_cache_append,
     rms_norm,
     rope,
     rotary_cos_sin,
     scaled_dot_product_attention,
     scaled_masked_softmax,
+    varlen_attention,
 )
 from fastattn import extending, models, nn, reference
 from fastattn.extending import extension_include_dir
@@ -39,6 +42,8 @@ __all__ = [
     "layer_norm",
     "models",
     "nn",
+    "paged_attention",
+    "paged_cache_append",
     "register_hf",
     "reference",
     "register_backend",
@@ -50,4 +55,5 @@ __all__ = [
     "swap",
     "unswap",
     "use_backend",
+    "varlen_attention",
 ]

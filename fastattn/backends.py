@@ -52,6 +52,7 @@ class Backend:
     unavailable: Callable[[], str | None] = lambda: None
     impls: dict[str, Callable] = field(default_factory=dict)
     dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
+    missing: dict[str, str] = field(default_factory=dict)
 
 
 def interpreting() -> bool:
@@ -112,6 +113,12 @@ def register_backend(
     backend.impls[op] = fn
 
 
+def note_missing(op: str, name: str, reason: str) -> None:
+    """Record why backend ``name`` does not implement ``op`` (e.g. "not implemented on cuda yet"),
+    so that asking for it explicitly says so."""
+    _REGISTRY[name].missing[op] = reason
+
+
 def implementations(op: str) -> list[str]:
     """Names of the backends (available here or not) that implement ``op``."""
     return [name for name, b in _REGISTRY.items() if op in b.impls]
@@ -170,7 +177,7 @@ def select(
     name, source = (backend, "backend=") if backend is not None else _requested()
     if name is not None:
         b = _check_name(name)
-        problem = b.unavailable()
+        problem = b.missing.get(op) or b.unavailable()
         if problem is None and op not in b.impls:
             problem = f"it has no implementation of {op}"
         if problem is None and device.type not in b.devices:

@@ -646,11 +646,211 @@ def model_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, op
     return providers, cases
 
 
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length attention: packed (fastattn.varlen_attention) vs padded SDPA at mixed
+# lengths. TFLOP/s of the useful work (sum over sequences of 4 * H * L^2 * D, halved when
+# causal); tokens/s = params["tokens"] / time.
+
+
+def _mixed_lengths(tokens: int, longest: int) -> list[int]:
+    """Sequence lengths from ``longest`` down to an eighth of it, cycling, summing to ``tokens``."""
+    fractions = (1.0, 0.55, 0.3, 0.8, 0.15, 0.45, 0.125, 0.7)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(max(1, int(fractions[len(lengths) % len(fractions)] * longest)))
+    lengths[-1] -= sum(lengths) - tokens
+    return [n for n in lengths if n > 0]
+
+
+@dataclasses.dataclass
+class VarlenAux:
+    """What the padded peers need: the lengths, each token's row in the padded (B * Lmax) layout,
+    and SDPA's mask (key padding, and the causal band)."""
+
+    causal: bool
+    lengths: list[int]
+    index: torch.Tensor
+    sdpa_mask: torch.Tensor
+
+
+def varlen_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    o = _options(options, device)
+    preset = _preset(device, o)
+    tokens, longest, dims, width = {
+        "gpu": (16384, [1024, 4096, 16384], [64, 128], 2048),
+        "cpu": (2048, [256, 1024], [64], 256),
+        "tiny": (48, [32], [16], 32),
+    }[preset]
+    if quick and preset != "tiny":
+        longest = longest[-1:]
+    longest, dims = o.seqs or longest, o.dims or dims
+    causals = o.causal or [False, True]
+
+    def ours(name):
+        return lambda q, k, v, cu, aux: fastattn.varlen_attention(q, k, v, cu, cu, max(aux.lengths), max(aux.lengths),
+                                                                  causal=aux.causal, backend=name)
+
+    def naive(q, k, v, cu, aux):
+        return fastattn.varlen_attention(q, k, v, cu, cu, causal=aux.causal, backend="naive")
+
+    def padded(q, k, v, cu, aux):
+        """Pad to (B, H, Lmax, D), SDPA with the key-padding (+ causal) mask, unpad: what packed
+        data costs without a varlen kernel (the copies are part of it)."""
+        B, L = len(aux.lengths), max(aux.lengths)
+
+        def pad(t):
+            return t.new_zeros(B * L, *t.shape[1:]).index_copy(0, aux.index, t).view(B, L, *t.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=aux.sdpa_mask,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(B * L, *q.shape[1:2], v.shape[-1]).index_select(0, aux.index)
+
+    def per_sequence(q, k, v, cu, aux):
+        """SDPA once per sequence (no padding, one launch each)."""
+        outs, start = [], 0
+        for n in aux.lengths:
+            sl = slice(start, start + n)
+            outs.append(F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
+                                                       is_causal=aux.causal).transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    providers: dict[str, Callable] = {f"fastattn-{n}": ours(n) for n in fastattn_backends("varlen_attention", device)}
+    providers["naive"] = naive
+    providers["torch.sdpa (padded)"] = padded
+    providers["torch.sdpa (per sequence)"] = per_sequence
+
+    cases = []
+    for d in dims:
+        h = max(1, width // d)
+        for top in longest:
+            lengths = _mixed_lengths(tokens, top)
+            first = lengths[0]
+            has_ref = h * first * first <= REFERENCE_MAX_ELEMENTS
+            for causal in causals:
+                work = sum(attention_flops(1, h, n, n, d, causal, "fwd") for n in lengths)
+                for mode in modes:
+                    def make(lengths=lengths, h=h, d=d, causal=causal, mode=mode):
+                        grad = mode != "fwd"
+                        gen = torch.Generator().manual_seed(len(lengths) * 100 + d)
+                        total, B, L = sum(lengths), len(lengths), max(lengths)
+                        q, k, v = (_random((total, h, d), device, dtype, grad, gen) for _ in range(3))
+                        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+                        index = torch.cat([b * L + torch.arange(n) for b, n in enumerate(lengths)]).to(device)
+                        keep = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+                        mask = keep.view(B, 1, 1, L)
+                        if causal:
+                            mask = mask & torch.ones(L, L, dtype=torch.bool).tril()
+                        return q, k, v, cu, VarlenAux(causal, lengths, index, mask.to(device))
+
+                    def ref(q, k, v, cu, aux):  # the first sequence
+                        n = aux.lengths[0]
+                        return reference.varlen_attention(_np(q[:n]), _np(k[:n]), _np(v[:n]), [0, n], [0, n],
+                                                          causal=aux.causal)[0]
+
+                    def grad_ref(inputs, dout):
+                        q, k, v, cu, aux = inputs
+                        n = aux.lengths[0]
+                        return list(reference.varlen_attention_backward(
+                            dout[:n], _np(q[:n]), _np(k[:n]), _np(v[:n]), [0, n], [0, n], causal=aux.causal))
+
+                    name = f"{len(lengths)} seqs {min(lengths)}-{max(lengths)} H{h} D{d}" + (" causal" if causal else "")
+                    cases.append(Case(
+                        "varlen", name, dtype, mode, make,
+                        flops=int(work * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]),
+                        reference=ref if has_ref else None, grad_reference=grad_ref if has_ref else None,
+                        params={"tokens": tokens, "Lmax": top, "D": d, "causal": causal,
+                                "padded_tokens": len(lengths) * max(lengths)},
+                        sweep="Lmax",
+                    ))
+    return providers, cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decoding: one new token per sequence over a paged cache of mixed lengths (L/2 .. L),
+# against SDPA on a padded contiguous cache. GB/s counts the K/V bytes the sequences own (the
+# floor of a decode step); tokens/s = params["tokens"] (= B) / time.
+
+
+@dataclasses.dataclass
+class DecodeAux:
+    lengths: list[int]
+    k: torch.Tensor  # the same keys in a padded contiguous (B, Hkv, L, D) cache, for SDPA
+    v: torch.Tensor
+    mask: torch.Tensor  # (B, 1, 1, L) key padding
+
+
+def decode_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    o = _options(options, device)
+    preset = _preset(device, o)
+    seqs, batches, h, hkv, d, block = {
+        "gpu": ([1024, 4096, 8192, 16384, 32768], [1, 8, 64], 32, 8, 128, 16),
+        "cpu": ([1024, 4096], [1, 8], 8, 2, 64, 16),
+        "tiny": ([32], [2], 2, 1, 16, 4),
+    }[preset]
+    if quick and preset == "gpu":
+        seqs, batches = [4096, 32768], [1, 64]
+    elif quick and preset == "cpu":
+        seqs, batches = [4096], [8]
+    seqs, d = o.seqs or seqs, (o.dims or [d])[0]
+
+    def ours(name):
+        return lambda q, kc, vc, table, lens, aux: fastattn.paged_attention(q, kc, vc, table, lens, backend=name)
+
+    def naive(q, kc, vc, table, lens, aux):
+        return fastattn.paged_attention(q, kc, vc, table, lens, backend="naive")
+
+    def sdpa(q, kc, vc, table, lens, aux):
+        return F.scaled_dot_product_attention(q, aux.k, aux.v, attn_mask=aux.mask, enable_gqa=True)
+
+    providers: dict[str, Callable] = {f"fastattn-{n}": ours(n) for n in fastattn_backends("paged_attention", device)}
+    providers["naive"] = naive
+    providers["torch.sdpa (padded cache)"] = sdpa
+
+    cases = []
+    elt = _elt(dtype)
+    for L in seqs:
+        for B in batches:
+            lengths = [L - (b * L) // (2 * B) for b in range(B)]
+            traffic = sum(lengths) * hkv * 2 * d * elt + 2 * B * h * d * elt
+
+            def make(L=L, B=B, lengths=lengths):
+                gen = torch.Generator().manual_seed(L + B)
+                per_row = -(-L // block)
+                q = _random((B, h, 1, d), device, dtype, False, gen)
+                k = _random((B, hkv, L, d), device, dtype, False, gen)
+                v = _random((B, hkv, L, d), device, dtype, False, gen)
+                # Row b owns blocks b, b + B, ...: the pool holds them interleaved.
+                table = torch.arange(B * per_row, dtype=torch.int32).view(per_row, B).T.contiguous()
+                kc = torch.zeros(B * per_row, block, hkv, d, dtype=dtype, device=device)
+                vc = torch.zeros_like(kc)
+                lens = torch.zeros(B, dtype=torch.int32, device=device)
+                table = table.to(device)
+                fastattn.paged_cache_append(kc, vc, table, lens, k, v)
+                lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+                mask = (torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]).view(B, 1, 1, L).to(device)
+                return q, kc, vc, table, lens, DecodeAux(lengths, k, v, mask)
+
+            def ref(q, kc, vc, table, lens, aux):  # sequence 0
+                n = aux.lengths[0]
+                return reference.attention(_np(q[:1]), _np(aux.k[:1, :, :n]), _np(aux.v[:1, :, :n]),
+                                           causal="bottom_right", enable_gqa=True)[0]
+
+            cases.append(Case(
+                "decode", f"B{B} L{L} H{h}/{hkv} D{d}", dtype, "fwd", make, bytes=traffic,
+                reference=ref if L * h <= REFERENCE_MAX_ELEMENTS else None,
+                params={"tokens": B, "L": L, "B": B, "D": d}, sweep="L",
+            ))
+    return providers, cases
+
+
 SUITES = {
     "attention": attention_suite,
     "softmax": softmax_suite,
     "layer_norm": layer_norm_suite,
     "ffn": ffn_suite,
+    "varlen": varlen_suite,
+    "decode": decode_suite,
 }
 if importlib.util.find_spec("fastattn.models") is not None:
     SUITES["model"] = model_suite

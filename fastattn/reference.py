@@ -34,6 +34,8 @@ __all__ = [
     "layer_norm_backward",
     "linear",
     "multi_head_attention",
+    "paged_attention",
+    "paged_cache_append",
     "rms_norm",
     "rms_norm_backward",
     "sinusoidal_positional_encoding",
@@ -41,6 +43,8 @@ __all__ = [
     "softmax_backward",
     "structural_band",
     "transformer_block",
+    "varlen_attention",
+    "varlen_attention_backward",
 ]
 
 _U32 = 0xFFFFFFFF
@@ -369,6 +373,126 @@ def attention_backward(dout, q, k, v, mask=None, scale=None, causal=False, windo
     if mask is not None and np.asarray(mask).dtype != np.bool_:
         dmask = _sum_to_shape(ds, np.shape(mask))
     return dq, _reduce_kv_heads(dk, Hkv), _reduce_kv_heads(dv, Hkv), dmask
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed (variable-length) sequences and the paged KV cache
+# ---------------------------------------------------------------------------------------------
+
+def _sequence_seed(seed, b, H):
+    """The seed whose batch-0 dropout streams are batch ``b``'s: ``stream(b, h)`` hashes
+    ``seed + 0x9E3779B9 * (b * H + h)``, so sequence ``b`` of a packed batch draws the mask that
+    batch row ``b`` of a padded ``(B, H, Lq_b, Lk_b)`` batch would."""
+    if seed is None:
+        return None
+    return (int(seed) + 0x9E3779B9 * b * H) % (1 << 32)
+
+
+def _segments(cu_seqlens):
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    return [(int(cu[b]), int(cu[b + 1])) for b in range(len(cu) - 1)]
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=False, window=None,
+                     dropout_p=0.0, seed=None):
+    """Attention over a packed batch of sequences; returns ``(out, lse)``.
+
+    ``q (total_q, H, D)``, ``k (total_k, Hkv, D)``, ``v (total_k, Hkv, Dv)``: sequence ``b`` is
+    rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of
+    k and v. Each sequence is :func:`attention` on its own ``(1, H, Lq_b, D)`` slice, with the
+    band (``causal``, ``window``) of its own lengths and GQA when ``Hkv < H``; dropout draws
+    batch row ``b``'s mask (see :func:`dropout_keep_mask` with ``B`` sequences, ``Lk = Lk_b``).
+    ``out`` is ``(total_q, H, Dv)``, ``lse`` ``(H, total_q)``. A sequence with ``Lk_b = 0``
+    has only fully masked rows: output 0, lse -inf.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    H = q.shape[1]
+    out = np.zeros(q.shape[:2] + (v.shape[2],))
+    lse = np.full((H, q.shape[0]), -np.inf)
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k))):
+        if q1 == q0 or k1 == k0:
+            continue
+        o, l = attention(q[None, q0:q1].transpose(0, 2, 1, 3), k[None, k0:k1].transpose(0, 2, 1, 3),
+                         v[None, k0:k1].transpose(0, 2, 1, 3), scale=scale, causal=causal,
+                         window=window, dropout_p=dropout_p, seed=_sequence_seed(seed, b, H),
+                         enable_gqa=True)
+        out[q0:q1] = o[0].transpose(1, 0, 2)
+        lse[:, q0:q1] = l[0]
+    return out, lse
+
+
+def varlen_attention_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=False,
+                              window=None, dropout_p=0.0, seed=None):
+    """Gradients of :func:`varlen_attention`; returns ``(dq, dk, dv)`` shaped like q, k, v.
+
+    Per sequence, :func:`attention_backward` on its slices (dK, dV summed over GQA groups);
+    rows of empty or fully masked sequences get 0.
+    """
+    q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
+    H = q.shape[1]
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    heads = lambda t: t[None].transpose(0, 2, 1, 3)  # noqa: E731  (L, H, D) -> (1, H, L, D)
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k))):
+        if q1 == q0 or k1 == k0:
+            continue
+        g = attention_backward(heads(dout[q0:q1]), heads(q[q0:q1]), heads(k[k0:k1]),
+                               heads(v[k0:k1]), scale=scale, causal=causal, window=window,
+                               dropout_p=dropout_p, seed=_sequence_seed(seed, b, H),
+                               enable_gqa=True)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (t[0].transpose(1, 0, 2) for t in g[:3])
+    return dq, dk, dv
+
+
+def _paged_keys(cache, block_table, b, n):
+    """The first ``n`` cached rows of sequence ``b``, ``(n, Hkv, D)``: position ``t`` lives in
+    block ``block_table[b, t // block_size]`` at slot ``t % block_size``."""
+    block_size = cache.shape[1]
+    t = np.arange(n)
+    return cache[np.asarray(block_table)[b, t // block_size], t % block_size]
+
+
+def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, scale=None,
+                    causal="bottom_right", window=None):
+    """Attention of new queries over a paged KV cache; returns ``(out, lse)``.
+
+    ``q (B, H, Lq, D)``; caches ``(num_blocks, block_size, Hkv, D/Dv)``; ``block_table (B,
+    max_blocks)`` of block indices; ``cache_seqlens (B,)`` valid keys per sequence (the new
+    tokens' included). Sequence ``b`` is :func:`attention` of ``q[b]`` over its first
+    ``cache_seqlens[b]`` cached keys (see :func:`_paged_keys`), with the band of
+    ``(Lq, cache_seqlens[b])`` — bottom-right causal by default, so query ``i`` sees keys up to
+    ``cache_seqlens[b] - Lq + i``. ``out (B, H, Lq, Dv)``, ``lse (B, H, Lq)``.
+    """
+    q, k_cache, v_cache = _f64(q), _f64(k_cache), _f64(v_cache)
+    B, H, Lq, _ = q.shape
+    out = np.zeros((B, H, Lq, v_cache.shape[-1]))
+    lse = np.full((B, H, Lq), -np.inf)
+    for b in range(B):
+        n = int(np.asarray(cache_seqlens)[b])
+        if n == 0 or Lq == 0:
+            continue
+        k = _paged_keys(k_cache, block_table, b, n).transpose(1, 0, 2)[None]
+        v = _paged_keys(v_cache, block_table, b, n).transpose(1, 0, 2)[None]
+        o, l = attention(q[b:b + 1], k, v, scale=scale, causal=causal, window=window,
+                         enable_gqa=True)
+        out[b], lse[b] = o[0], l[0]
+    return out, lse
+
+
+def paged_cache_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
+    """The caches after writing ``k_new``, ``v_new`` ``(B, Hkv, Lnew, D/Dv)`` at positions
+    ``cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1`` of each sequence (copies; the inputs
+    are unchanged). Returns ``(k_cache, v_cache)``."""
+    k_cache, v_cache = _f64(k_cache).copy(), _f64(v_cache).copy()
+    k_new, v_new = _f64(k_new), _f64(v_new)
+    block_size = k_cache.shape[1]
+    table = np.asarray(block_table)
+    for b in range(k_new.shape[0]):
+        for i in range(k_new.shape[2]):
+            t = int(np.asarray(cache_seqlens)[b]) + i
+            blk, slot = table[b, t // block_size], t % block_size
+            k_cache[blk, slot] = k_new[b, :, i]
+            v_cache[blk, slot] = v_new[b, :, i]
+    return k_cache, v_cache
 
 
 # ---------------------------------------------------------------------------------------------

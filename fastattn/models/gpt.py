@@ -13,8 +13,9 @@ from fastattn.nn.ffn import FeedForward
 from fastattn.nn.norm import LayerNorm
 from fastattn.ops.attention import attention
 from fastattn.ops.rope import RotaryEmbedding
+from fastattn.ops.varlen import paged_attention, paged_cache_append, varlen_attention
 
-__all__ = ["GPT", "KVCache"]
+__all__ = ["GPT", "KVCache", "PagedKVCache"]
 
 
 class KVCache:
@@ -42,6 +43,41 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class PagedKVCache:
+    """Keys and values of every layer in fixed-size blocks (vLLM-style), for a batch of sequences
+    of different lengths.
+
+    ``k[i]`` / ``v[i]`` are layer ``i``'s (num_blocks, block_size, H, head_dim) pools;
+    ``block_table`` (B, blocks per row) int32 lists each sequence's blocks in order (here row
+    ``b`` owns blocks ``b, b + B, b + 2B, ...``: interleaved, to show that the order is the
+    table's, not memory's); ``seqlens`` (B,) int32 counts each sequence's cached positions.
+    A forward pass appends its tokens' keys in every layer (:func:`fastattn.paged_cache_append`),
+    then advances ``seqlens``.
+    """
+
+    def __init__(self, n_layer: int, batch: int, n_head: int, capacity: int, head_dim: int, *,
+                 block_size: int = 16, device=None, dtype=None):
+        per_row = -(-capacity // block_size)
+        shape = (batch * per_row, block_size, n_head, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.block_table = torch.arange(batch * per_row, dtype=torch.int32, device=device).view(per_row, batch).T.contiguous()
+        self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.capacity = per_row * block_size
+
+    def append(self, layer: int, k: Tensor, v: Tensor, cu_seqlens: Tensor | None = None) -> None:
+        """Store layer ``layer``'s new keys and values: (B, H, T, D) with T per sequence, or packed
+        (total, H, D) with ``cu_seqlens`` giving each sequence's tokens."""
+        if cu_seqlens is None:
+            paged_cache_append(self.k[layer], self.v[layer], self.block_table, self.seqlens, k, v)
+            return
+        bounds = cu_seqlens.tolist()
+        for b in range(len(bounds) - 1):
+            rows = slice(bounds[b], bounds[b + 1])
+            paged_cache_append(self.k[layer], self.v[layer], self.block_table[b:b + 1], self.seqlens[b:b + 1],
+                               k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
+
+
 class CausalSelfAttention(torch.nn.Module):
     """Causal multi-head self-attention: ``c_attn`` (fused q, k, v projection), fastattn's
     attention, ``c_proj``. With a cache the new queries attend every cached key
@@ -63,9 +99,12 @@ class CausalSelfAttention(torch.nn.Module):
                 config.n_embd // config.n_head, config.block_size, config.rope_base, backend=backend, device=device
             )
 
-    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+    def forward(self, x: Tensor, cache: KVCache | PagedKVCache | None = None, layer: int = 0,
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = (t.unflatten(-1, (self.n_head, -1)).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
+        if isinstance(cache, PagedKVCache):
+            return self.resid_dropout(self.c_proj(self._paged(q, k, v, cache, layer, positions, cu_seqlens).reshape(B, T, C)))
         if self.rotary is not None:
             start = 0 if cache is None else cache.length
             q, k = self.rotary(q, offset=start), self.rotary(k, offset=start)
@@ -75,6 +114,22 @@ class CausalSelfAttention(torch.nn.Module):
             q, k, v, causal="bottom_right", dropout_p=self.dropout if self.training else 0.0, backend=self.backend
         )
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+    def _paged(self, q, k, v, cache, layer, positions, cu_seqlens):
+        """Attention on a paged cache, (B, T, H, D) out. Packed prefill (``cu_seqlens``; x is
+        (1, total, C)): causal attention within each prompt (:func:`fastattn.varlen_attention`).
+        Decoding (x (B, T, C)): the new tokens attend their row's cached keys
+        (:func:`fastattn.paged_attention`). Either way the keys are appended to the cache first."""
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions=positions), self.rotary(k, positions=positions)
+        if cu_seqlens is not None:
+            q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (total, H, D)
+            cache.append(layer, k, v, cu_seqlens)
+            return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal=True, backend=self.backend)
+        cache.append(layer, k, v)
+        y = paged_attention(q, cache.k[layer], cache.v[layer], cache.block_table, cache.seqlens + q.shape[2],
+                            backend=self.backend)
+        return y.transpose(1, 2)
 
 
 class Block(torch.nn.Module):
@@ -92,8 +147,9 @@ class Block(torch.nn.Module):
             dropout=config.dropout, backend=backend, **factory,
         )
 
-    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: Tensor, cache: KVCache | PagedKVCache | None = None, layer: int = 0,
+                positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, positions, cu_seqlens)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -222,3 +278,53 @@ class GPT(torch.nn.Module):
                 nxt = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+    def new_paged_cache(self, batch: int, capacity: int | None = None, block_size: int = 16) -> PagedKVCache:
+        c = self.config
+        w = self.transformer.wte.weight
+        return PagedKVCache(c.n_layer, batch, c.n_head, capacity or c.block_size, c.n_embd // c.n_head,
+                            block_size=block_size, device=w.device, dtype=w.dtype)
+
+    def _forward_paged(self, idx: Tensor, positions: Tensor, cache: PagedKVCache,
+                       cu_seqlens: Tensor | None = None) -> Tensor:
+        """Logits of tokens ``idx`` at ``positions`` (both (B, T), or (1, total) packed with
+        ``cu_seqlens``) through the paged ``cache``, whose ``seqlens`` then advance."""
+        x = self.transformer.wte(idx)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(positions)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, cache, i, positions, cu_seqlens)
+        if cu_seqlens is None:
+            cache.seqlens += idx.shape[1]
+        else:
+            cache.seqlens += (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    @torch.no_grad()
+    def generate_paged(self, prompts: list[Tensor], max_new_tokens: int, *, block_size: int = 16) -> list[Tensor]:
+        """Greedy continuation of a batch of prompts of different lengths (1-D token tensors) on
+        a paged KV cache: one packed prefill (:func:`fastattn.varlen_attention`, no padding),
+        then ``max_new_tokens`` batched decoding steps (:func:`fastattn.paged_attention`).
+        Returns each prompt followed by its new tokens: the same tokens as
+        ``generate(prompt[None], max_new_tokens, greedy=True)`` row by row, while every
+        sequence fits in ``block_size`` positions."""
+        lengths = [int(p.numel()) for p in prompts]
+        longest = max(lengths) + max_new_tokens
+        if longest > self.config.block_size:
+            raise ValueError(f"prompts of up to {max(lengths)} tokens + {max_new_tokens} new exceed "
+                             f"block_size={self.config.block_size}")
+        device = self.transformer.wte.weight.device
+        cache = self.new_paged_cache(len(prompts), longest, block_size)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        packed = torch.cat([p.to(device) for p in prompts])[None]
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+        logits = self._forward_paged(packed, positions, cache, cu)[0, (cu[1:] - 1).long()]
+        out = [[] for _ in prompts]
+        for step in range(max_new_tokens):
+            nxt = logits.float().argmax(dim=-1)
+            for b, t in enumerate(nxt.tolist()):
+                out[b].append(t)
+            if step + 1 == max_new_tokens:
+                break
+            logits = self._forward_paged(nxt[:, None], cache.seqlens.long()[:, None], cache)[:, -1]
+        return [torch.cat([p.to(device), torch.tensor(o, dtype=p.dtype, device=device)]) for p, o in zip(prompts, out)]

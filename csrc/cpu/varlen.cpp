@@ -1,0 +1,485 @@
+// Attention over packed variable-length sequences and over a paged KV cache, on CPU
+// (fastattn::varlen_attention_fwd / varlen_attention_bwd / paged_attention_fwd).
+//
+// Math (per sequence b, query head h, kv head g = h / (H / Hkv)), as docs/numerics.md with each
+// sequence's own lengths Lq_b, Lk_b:
+//
+//   S_ij = scale * q_i . k_j   for keys j inside the band  i + off - left <= j <= i + off + right
+//          (off = Lk_b - Lq_b when bottom_right, else 0), -inf outside
+//   lse_i = log sum_j exp(S_ij),  P = exp(S - lse),  O = (P * Z) V     Z: dropout (rng.h), with the
+//          stream of batch row b and the counter i * Lk_b + j
+//   delta_i = sum_j P_ij dP_ij,  dP = Z * (dO V^T),  dS = P * (dP - delta)
+//   dQ = scale * dS K,  dK = scale * dS^T Q,  dV = (P * Z)^T dO
+//
+// Layouts: varlen q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), sequence b is rows
+// cu_q[b]..cu_q[b+1] (and cu_k); lse (H, total_q). Paged: q (B, H, Lq, D), caches (num_blocks,
+// block_size, Hkv, D/Dv); key t of sequence b lives in block block_table[b, t / block_size], slot
+// t % block_size; lse (B, H, Lq).
+//
+// Work split:
+// * varlen forward / backward: each sequence is the dense CPU attention (fastattn::attention_fwd
+//   / _bwd, csrc/cpu/attention.cpp: blocked GEMM tiles, online softmax, SIMD) on strided
+//   (1, H, L, D) views of the packed tensors, with the sequence's band offset and batch row b's
+//   dropout stream; only the outputs are copied into the packed layout. Many sequences (at
+//   least twice the threads) run in parallel, longest first, each dense call on one thread;
+//   fewer run one after another, each parallel over heads and query blocks inside.
+// * paged forward (decoding: few queries, many keys) splits the key axis as flash-decoding does:
+//   one task per (sequence, kv head, key split) covers the Lq rows of every query head of the GQA
+//   group (so each cached key is gathered once per split), keeping per-row partial (max, sum, O);
+//   a second pass per (sequence, query head, row) merges the splits. The number of splits is
+//   chosen so that the tasks outnumber the threads about 4 to 1.
+//
+// Precision: as the dense kernel for varlen; paged: accumulation in float32 (float64 for float64
+// inputs), the cache read through its dtype and converted per element (never as a whole).
+// Limits: none beyond memory; index arithmetic is int64. Every index is checked before use:
+// cu_seqlens must be within bounds and non-decreasing, block_table entries of used slots within
+// [0, num_blocks), cache_seqlens within the blocks a row owns (the Python layer gives friendlier
+// messages; these checks keep a direct call in bounds).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fastattn/common.h"
+#include "fastattn/cpu_simd.h"
+
+namespace fastattn {
+namespace {
+
+constexpr int64_t kMinSplit = 256;  // paged forward: fewest keys per split
+
+template <class T>
+using acc_of = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// The band of row i clipped to the keys [0, lk): [lo, hi], empty when lo > hi.
+struct RowBand {
+  int64_t lo, hi;
+};
+
+inline RowBand row_band(int64_t i, int64_t lq, int64_t lk, bool bottom_right, int64_t left,
+                        int64_t right) {
+  const int64_t off = bottom_right ? lk - lq : 0;
+  left = std::min(left, lq + lk);  // unbounded sides arrive as large values: no overflow
+  right = std::min(right, lq + lk);
+  return {std::max<int64_t>(0, i + off - left), std::min(lk - 1, i + off + right)};
+}
+
+template <class Worker>
+void run_tasks(int64_t ntasks, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < ntasks; t = next++) worker(t);
+  });
+}
+
+
+// cu_seqlens as host int64 values, checked: int32, 1-D, (batch + 1), 0 first, non-decreasing,
+// last == total.
+std::vector<int64_t> read_cu(const at::Tensor& cu, int64_t batch1, int64_t total, const char* name) {
+  TORCH_CHECK(cu.scalar_type() == at::kInt, name, " must be int32, got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) == batch1, name, " must have shape (", batch1,
+              ",), got ", cu.sizes());
+  const auto c = cu.contiguous();
+  const int32_t* p = c.data_ptr<int32_t>();
+  std::vector<int64_t> out(p, p + batch1);
+  TORCH_CHECK(batch1 >= 1 && out[0] == 0, name, " must start at 0");
+  for (int64_t b = 0; b + 1 < batch1; ++b)
+    TORCH_CHECK(out[b + 1] >= out[b], name, " must be non-decreasing, got ", out[b], " then ",
+                out[b + 1], " at ", b);
+  TORCH_CHECK(out[batch1 - 1] == total, name, " must end at the total length ", total, ", got ",
+              out[batch1 - 1]);
+  return out;
+}
+
+void check_last_dim(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name,
+              " must have a contiguous last dimension, got strides ", t.strides());
+}
+
+struct VarlenShape {
+  int64_t H, Hkv, D, Dv, batch, max_q, max_k;
+  std::vector<int64_t> cq, ck;
+};
+
+VarlenShape check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cu_q, const at::Tensor& cu_k) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "q, k, v must be 3-D (total, heads, dim), got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  check_float_dtype(q, "q", true);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k, v must share a dtype");
+  TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1),
+              "k and v must share total length and heads, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(2) == q.size(2), "q and k head dims differ: ", q.sizes(), ", ", k.sizes());
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "query heads must be a multiple of kv heads, got ", q.sizes(), ", ", k.sizes());
+  check_last_dim(q, "q");
+  check_last_dim(k, "k");
+  check_last_dim(v, "v");
+  TORCH_CHECK(cu_q.size(0) == cu_k.size(0), "cu_seqlens_q and cu_seqlens_k must have one length, got ",
+              cu_q.sizes(), " and ", cu_k.sizes());
+  VarlenShape s;
+  s.H = q.size(1), s.Hkv = k.size(1), s.D = q.size(2), s.Dv = v.size(2);
+  s.batch = cu_q.size(0) - 1;
+  s.cq = read_cu(cu_q, cu_q.size(0), q.size(0), "cu_seqlens_q");
+  s.ck = read_cu(cu_k, cu_k.size(0), k.size(0), "cu_seqlens_k");
+  s.max_q = s.max_k = 0;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    s.max_q = std::max(s.max_q, s.cq[b + 1] - s.cq[b]);
+    s.max_k = std::max(s.max_k, s.ck[b + 1] - s.ck[b]);
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// varlen: each sequence through the dense CPU attention (csrc/cpu/attention.cpp, reached through
+// the dispatcher) on strided (1, H, L, D) views of the packed tensors, so the packed layout costs
+// no copy in and one copy of the outputs out.
+
+// (L, H, D) rows [start, start + n) -> the (1, H, n, D) view the dense op takes.
+at::Tensor seq_view(const at::Tensor& t, int64_t start, int64_t n) {
+  return t.narrow(0, start, n).permute({1, 0, 2}).unsqueeze(0);
+}
+
+// The seed whose batch-0 dropout streams are batch row b's (rng.h: the stream hashes
+// seed + 0x9E3779B9 * (b * H + h)), so sequence b runs as a batch of one.
+int64_t sequence_seed(int64_t seed, int64_t b, int64_t H) {
+  return static_cast<int64_t>(static_cast<uint32_t>(seed) +
+                              0x9E3779B9u * static_cast<uint32_t>(b) * static_cast<uint32_t>(H));
+}
+
+// Runs fn(b) for every sequence: in parallel over sequences when there are many (each dense call
+// then runs on its worker's thread), else one after another with each call parallel inside.
+template <class Fn>
+void for_sequences(const VarlenShape& s, const Fn& fn) {
+  const int64_t threads = at::get_num_threads();
+  if (s.batch >= 2 * threads && threads > 1) {
+    // Longest first, so that the last tasks are short.
+    std::vector<int64_t> order(s.batch);
+    for (int64_t b = 0; b < s.batch; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return (s.cq[x + 1] - s.cq[x]) * (s.ck[x + 1] - s.ck[x]) > (s.cq[y + 1] - s.cq[y]) * (s.ck[y + 1] - s.ck[y]);
+    });
+    run_tasks(s.batch, [&](int64_t t) {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      fn(order[t]);
+    });
+  } else {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    for (int64_t b = 0; b < s.batch; ++b) fn(b);
+  }
+}
+
+int64_t seq_offset(const VarlenShape& s, int64_t b, bool bottom_right) {
+  return bottom_right ? (s.ck[b + 1] - s.ck[b]) - (s.cq[b + 1] - s.cq[b]) : 0;
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+    const at::Tensor& cu_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+    bool bottom_right, int64_t left, int64_t right, double dropout_p, int64_t seed) {
+  const VarlenShape s = check_varlen(q, k, v, cu_q, cu_k);
+  TORCH_CHECK(s.max_q <= max_seqlen_q && s.max_k <= max_seqlen_k,
+              "max_seqlen_q / max_seqlen_k (", max_seqlen_q, ", ", max_seqlen_k,
+              ") are below the longest sequences (", s.max_q, ", ", s.max_k, ")");
+  TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+  auto out = at::empty({q.size(0), s.H, s.Dv}, q.options());
+  auto lse = at::empty({s.H, q.size(0)}, q.options().dtype(at::kFloat));
+  static auto dense = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("fastattn::attention_fwd", "")
+                          .typed<std::tuple<at::Tensor, at::Tensor>(
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t,
+                              double, int64_t)>();
+  for_sequences(s, [&](int64_t b) {
+    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
+    if (lq == 0) return;
+    auto [o, l] = dense.call(seq_view(q, q0, lq), seq_view(k, k0, lk), seq_view(v, k0, lk),
+                             std::nullopt, scale, seq_offset(s, b, bottom_right), left, right,
+                             dropout_p, sequence_seed(seed, b, s.H));
+    out.narrow(0, q0, lq).copy_(o[0].permute({1, 0, 2}));
+    lse.narrow(1, q0, lq).copy_(l[0]);
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, bool bottom_right, int64_t left,
+    int64_t right, double dropout_p, int64_t seed) {
+  const VarlenShape s = check_varlen(q, k, v, cu_q, cu_k);
+  check_shape(dout, {q.size(0), s.H, s.Dv}, "dout");
+  check_shape(out, {q.size(0), s.H, s.Dv}, "out");
+  check_shape(lse, {s.H, q.size(0)}, "lse");
+  check_dtype(lse, at::kFloat, "lse");
+  TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+  const at::Tensor dout_t = dout.to(q.scalar_type());
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  static auto dense = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("fastattn::attention_bwd", "")
+                          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t,
+                              double, int64_t, bool)>();
+  for_sequences(s, [&](int64_t b) {
+    const int64_t q0 = s.cq[b], lq = s.cq[b + 1] - q0, k0 = s.ck[b], lk = s.ck[b + 1] - k0;
+    if (lq == 0 || lk == 0) {  // no score: every gradient of the sequence is 0
+      dq.narrow(0, q0, lq).zero_();
+      dk.narrow(0, k0, lk).zero_();
+      dv.narrow(0, k0, lk).zero_();
+      return;
+    }
+    auto [gq, gk, gv, unused] = dense.call(
+        seq_view(dout_t, q0, lq), seq_view(q, q0, lq), seq_view(k, k0, lk), seq_view(v, k0, lk),
+        seq_view(out, q0, lq), lse.narrow(1, q0, lq).unsqueeze(0), std::nullopt, scale,
+        seq_offset(s, b, bottom_right), left, right, dropout_p, sequence_seed(seed, b, s.H), false);
+    dq.narrow(0, q0, lq).copy_(gq[0].permute({1, 0, 2}));
+    dk.narrow(0, k0, lk).copy_(gk[0].permute({1, 0, 2}));
+    dv.narrow(0, k0, lk).copy_(gv[0].permute({1, 0, 2}));
+  });
+  return {dq, dk, dv};
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged forward (split-KV decoding)
+
+constexpr int64_t kPagedTile = 64;  // keys gathered (and converted) per step
+
+template <class T>
+struct PagedArgs {
+  using A = acc_of<T>;
+  const T *Q, *K, *V;
+  int64_t sq_b, sq_h, sq_m, sk_blk, sk_slot, sk_h, sv_blk, sv_slot, sv_h;
+  int64_t B, H, Hkv, group, Lq, D, Dv, block_size, max_blocks, splits, chunk, rows;
+  const int64_t* table;
+  const int64_t* lens;
+  bool bottom_right;
+  int64_t left, right;
+  A scale;
+  A *pm, *pl, *po;  // partials per (b, kv head, split, row): max, sum, unnormalized O (Dv)
+};
+
+// One (b, kv head, key split) task: the group's rows (query head g * group + r / Lq, query
+// r % Lq) over the split's keys, gathered kPagedTile at a time: K transposed (D x TK, so a row's
+// scores for W keys are D FMAs with no horizontal sum) and V as rows zero-padded to Dvp (a
+// multiple of the vector width W). Scores of keys outside a row's band or past the tile are
+// masked after the fact; the O update keeps each W-wide slice of O in a register across keys.
+template <class V, class T>
+FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  using A = typename V::value_type;
+  constexpr int W = V::size;
+  const A ninf = -std::numeric_limits<A>::infinity();
+  const int64_t Dvp = cpu::round_up(p.Dv, W), TK = kPagedTile;
+  static_assert(kPagedTile % 16 == 0, "whole vectors of keys");
+  std::vector<A> qbuf(p.rows * p.D), kt(p.D * TK, A(0)), vbuf(TK * Dvp, A(0));
+  std::vector<A> acc(p.rows * Dvp), m(p.rows), l(p.rows), sc(TK);
+  const int64_t ntasks = p.B * p.Hkv * p.splits;
+  for (int64_t t = next++; t < ntasks; t = next++) {
+    const int64_t sp = t % p.splits, g = (t / p.splits) % p.Hkv, b = t / (p.splits * p.Hkv);
+    const int64_t lk = p.lens[b], j_begin = sp * p.chunk, j_end = std::min(lk, j_begin + p.chunk);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const int64_t h = g * p.group + r / p.Lq, i = r % p.Lq;
+      const T* qi = p.Q + b * p.sq_b + h * p.sq_h + i * p.sq_m;
+      for (int64_t d = 0; d < p.D; ++d) qbuf[r * p.D + d] = cpu::to_acc<A>(qi[d]) * p.scale;
+    }
+    std::fill(acc.begin(), acc.end(), A(0));
+    std::fill(m.begin(), m.end(), ninf);
+    std::fill(l.begin(), l.end(), A(0));
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += TK) {
+      const int64_t n = std::min(TK, j_end - j0);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const int64_t j = j0 + jj, blk = p.table[b * p.max_blocks + j / p.block_size];
+        const T* kj = p.K + blk * p.sk_blk + (j % p.block_size) * p.sk_slot + g * p.sk_h;
+        const T* vj = p.V + blk * p.sv_blk + (j % p.block_size) * p.sv_slot + g * p.sv_h;
+        for (int64_t d = 0; d < p.D; ++d) kt[d * TK + jj] = cpu::to_acc<A>(kj[d]);
+        cpu::convert_to_acc(vj, vbuf.data() + jj * Dvp, p.Dv);
+      }
+      const int64_t nv = cpu::round_up(n, W);  // whole vectors; keys past n are masked below
+      for (int64_t r = 0; r < p.rows; ++r) {
+        const RowBand band = row_band(r % p.Lq, p.Lq, lk, p.bottom_right, p.left, p.right);
+        const int64_t lo = std::max(band.lo, j0) - j0, hi = std::min(band.hi, j0 + n - 1) - j0;
+        if (lo > hi) continue;
+        const A* q = qbuf.data() + r * p.D;
+        for (int64_t jj = 0; jj < nv; jj += W) {
+          V s(A(0));
+          for (int64_t d = 0; d < p.D; ++d) s = fma(V(q[d]), V::load(kt.data() + d * TK + jj), s);
+          s.store(sc.data() + jj);
+        }
+        A mt = ninf;
+        for (int64_t jj = lo; jj <= hi; ++jj) mt = std::max(mt, sc[jj]);
+        const A m_new = std::max(m[r], mt);
+        const A alpha = m[r] == ninf ? A(0) : cpu::sexp(m[r] - m_new);
+        A sum = 0;
+        for (int64_t jj = 0; jj < nv; jj += W) {
+          V e = cpu::vexp(V::load(sc.data() + jj) - V(m_new));
+          e.store(sc.data() + jj);
+        }
+        for (int64_t jj = 0; jj < lo; ++jj) sc[jj] = A(0);
+        for (int64_t jj = hi + 1; jj < nv; ++jj) sc[jj] = A(0);
+        for (int64_t jj = lo; jj <= hi; ++jj) sum += sc[jj];
+        A* o = acc.data() + r * Dvp;
+        for (int64_t d = 0; d < Dvp; d += W) {
+          V od = V::load(o + d) * V(alpha);
+          for (int64_t jj = lo; jj <= hi; ++jj) od = fma(V(sc[jj]), V::load(vbuf.data() + jj * Dvp + d), od);
+          od.store(o + d);
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+      }
+    }
+    for (int64_t r = 0; r < p.rows; ++r) {
+      p.pm[t * p.rows + r] = m[r];
+      p.pl[t * p.rows + r] = l[r];
+      std::copy(acc.data() + r * Dvp, acc.data() + r * Dvp + p.Dv, p.po + (t * p.rows + r) * p.Dv);
+    }
+  }
+}
+
+template <class T>
+FASTATTN_TARGET_AVX512 void paged_avx512(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  paged_worker<cpu::Vec<acc_of<T>, 64 / sizeof(acc_of<T>)>, T>(p, next);
+}
+template <class T>
+FASTATTN_TARGET_AVX2 void paged_avx2(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  paged_worker<cpu::Vec<acc_of<T>, 32 / sizeof(acc_of<T>)>, T>(p, next);
+}
+template <class T>
+void paged_default(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+  paged_worker<cpu::Vec<acc_of<T>, 16 / sizeof(acc_of<T>)>, T>(p, next);
+}
+
+template <class T>
+void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                    const std::vector<int64_t>& table, int64_t max_blocks,
+                    const std::vector<int64_t>& lens, at::Tensor& out, at::Tensor& lse,
+                    double scale, bool bottom_right, int64_t left, int64_t right) {
+  using A = acc_of<T>;
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t bs = kc.size(1), Hkv = kc.size(2), Dv = vc.size(3), group = H / Hkv;
+  const int64_t max_len = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(
+      1, std::min((want + B * Hkv - 1) / std::max<int64_t>(B * Hkv, 1),
+                  (max_len + kMinSplit - 1) / kMinSplit));
+  const int64_t chunk = std::max<int64_t>(1, (max_len + splits - 1) / splits);
+  const int64_t rows = group * Lq;
+  std::vector<A> pm(B * Hkv * splits * rows), pl(pm.size()), po(pm.size() * Dv);
+  const PagedArgs<T> p{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),
+                       q.stride(0), q.stride(1), q.stride(2),
+                       kc.stride(0), kc.stride(1), kc.stride(2),
+                       vc.stride(0), vc.stride(1), vc.stride(2),
+                       B, H, Hkv, group, Lq, D, Dv, bs, max_blocks, splits, chunk, rows,
+                       table.data(), lens.data(), bottom_right, left, right, static_cast<A>(scale),
+                       pm.data(), pl.data(), po.data()};
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hkv * splits));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    switch (cpu::cpu_isa()) {
+      case cpu::Isa::kAvx512: return paged_avx512<T>(p, next);
+      case cpu::Isa::kAvx2: return paged_avx2<T>(p, next);
+      default: return paged_default<T>(p, next);
+    }
+  });
+
+  // Merge the splits: M = max_s m_s, l = sum_s l_s exp(m_s - M), O = sum_s O_s exp(m_s - M) / l.
+  T* O = out.data_ptr<T>();
+  float* Lse = lse.data_ptr<float>();
+  at::parallel_for(0, B * H * Lq, 16, [&](int64_t begin, int64_t end) {
+    std::vector<A> acc(Dv);
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t i = x % Lq, h = (x / Lq) % H, b = x / (Lq * H);
+      const int64_t g = h / group, r = (h % group) * Lq + i;
+      A M = -std::numeric_limits<A>::infinity();
+      for (int64_t sp = 0; sp < splits; ++sp)
+        M = std::max(M, pm[((b * Hkv + g) * splits + sp) * rows + r]);
+      std::fill(acc.begin(), acc.end(), A(0));
+      A l = 0;
+      if (M != -std::numeric_limits<A>::infinity()) {
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t idx = ((b * Hkv + g) * splits + sp) * rows + r;
+          if (pl[idx] == A(0)) continue;
+          const A w = std::exp(pm[idx] - M);
+          l += pl[idx] * w;
+          for (int64_t d = 0; d < Dv; ++d) acc[d] += po[idx * Dv + d] * w;
+        }
+      }
+      T* oi = O + b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
+      for (int64_t d = 0; d < Dv; ++d) oi[d] = static_cast<T>(l > 0 ? acc[d] / l : A(0));
+      Lse[x] = l > 0 ? static_cast<float>(M + std::log(l)) : -std::numeric_limits<float>::infinity();
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& cache_seqlens, double scale,
+    bool bottom_right, int64_t left, int64_t right) {
+  TORCH_CHECK(q.dim() == 4, "q must be 4-D (B, H, Lq, D), got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
+              "k_cache and v_cache must be 4-D (num_blocks, block_size, Hkv, D), got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  check_float_dtype(q, "q", true);
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "k_cache and v_cache must have q's dtype");
+  TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+              "k_cache and v_cache shapes differ: ", k_cache.sizes(), ", ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(3) == q.size(3), "q and k_cache head dims differ");
+  TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "query heads must be a multiple of the caches' kv heads");
+  TORCH_CHECK(k_cache.size(1) > 0, "block_size must be >= 1");
+  check_last_dim(q, "q");
+  check_last_dim(k_cache, "k_cache");
+  check_last_dim(v_cache, "v_cache");
+  const int64_t B = q.size(0);
+  check_dtype(block_table, at::kInt, "block_table");
+  check_dtype(cache_seqlens, at::kInt, "cache_seqlens");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "block_table must be (B, max_blocks), got ",
+              block_table.sizes());
+  check_shape(cache_seqlens, {B}, "cache_seqlens");
+  TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0");
+  const int64_t max_blocks = block_table.size(1), bs = k_cache.size(1), nblocks = k_cache.size(0);
+  const auto tc = block_table.contiguous();
+  const auto lc = cache_seqlens.contiguous();
+  std::vector<int64_t> table(tc.data_ptr<int32_t>(), tc.data_ptr<int32_t>() + tc.numel());
+  std::vector<int64_t> lens(lc.data_ptr<int32_t>(), lc.data_ptr<int32_t>() + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * bs, "cache_seqlens[", b, "] = ", lens[b],
+                " is outside [0, ", max_blocks * bs, "]");
+    for (int64_t s = 0; s * bs < lens[b]; ++s)
+      TORCH_CHECK(table[b * max_blocks + s] >= 0 && table[b * max_blocks + s] < nblocks,
+                  "block_table[", b, ", ", s, "] = ", table[b * max_blocks + s],
+                  " is outside [0, ", nblocks, ")");
+  }
+  auto out = at::empty({B, q.size(1), q.size(2), v_cache.size(3)}, q.options());
+  auto lse = at::empty({B, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_fwd", [&] {
+    paged_fwd_impl<scalar_t>(q, k_cache, v_cache, table, max_blocks, lens, out, lse, scale,
+                             bottom_right, left, right);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("varlen_attention_fwd", &varlen_attention_fwd_cpu);
+  m.impl("varlen_attention_bwd", &varlen_attention_bwd_cpu);
+  m.impl("paged_attention_fwd", &paged_attention_fwd_cpu);
+}
+
+}  // namespace fastattn

@@ -1,0 +1,553 @@
+"""Attention over packed variable-length sequences (forward, backward) and split-KV decoding
+from a paged KV cache, in Triton.
+
+Math (per sequence b, query head h, kv head h // (H // Hkv)), as docs/numerics.md with each
+sequence's own lengths Lq_b, Lk_b (band offset Lk_b - Lq_b when bottom-right, else 0)::
+
+    S = scale * Q K^T  (-inf outside the band),  lse = log sum_j exp(S),  P = exp(S - lse)
+    O = (P * Z) V                 Z: dropout, batch row b's stream, counter i * Lk_b + j
+    delta = rowsum(dO * O),  dV = (P * Z)^T dO,  dS = P * (Z * (dO V^T) - delta)
+    dQ = scale * dS K,  dK = scale * dS^T Q
+
+Packed (varlen) work split: the dense kernels' tile loops (``kernels.attention``: the online
+softmax step, the dK/dV and dQ tile loops, the band's tile ranges) run on one sequence's slice,
+whose start rows come from cu_seqlens; the grid is (query or key blocks of the longest sequence,
+batch, heads), and blocks past a sequence's end exit at once. Rows of q, k, v are read through
+their token stride, so the packed (total, H, D) tensors are never copied. delta reuses the dense
+preprocess kernel on the (1, H, total_q) view.
+
+Paged decoding (flash-decoding): the query rows of one sequence's GQA group (group * Lq rows,
+in tiles of BLOCK_M) share one program per key split, so each cached key is read once per split
+for the whole group; keys are gathered through block_table (block t // block_size, slot
+t % block_size). Each split writes a float32 partial (O normalized, lse); splits are merged with
+a log-sum-exp weighted sum: O = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s. The number
+of splits fills the GPU (about two programs per SM), never more than the key tiles.
+
+Tiles are fixed, not autotuned yet (see _tiles: chosen so that every kernel compiles for sm_90
+without register spills); the split merge runs as torch ops.
+
+Precision: scores, statistics and accumulators float32, P and dS cast to the input dtype for the
+dots (float32 dots are IEEE); lse float32. Rows with nothing to attend: O = 0, lse = -inf,
+gradients 0. Limits: float16 / bfloat16 / float32, head dims <= 256, unit stride on the last
+dim; no float mask (the band only); int64 offsets for tokens and blocks.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .attention import (
+    _DTYPES,
+    _INTERPRET,
+    _LN2,
+    _LOG2E,
+    _MAX_HEAD_DIM,
+    _PRE_BLOCK_M,
+    _attn_bwd_preprocess_kernel,
+    _dkdv_tiles,
+    _dot,
+    _dot_precision,
+    _dq_tiles,
+    _dropout_args,
+    _fwd_tiles,
+    _head_block,
+    _interior_tiles,
+    _key_tiles,
+    _load_rows,
+    _load_vec,
+    _scores,
+)
+
+# One fixed tile shape per kernel (no autotuning yet): 16 x 16 under the interpreter; on a GPU
+# the shapes that compile for sm_90 without register spills (checked with fastattn.aot's
+# compile_variant, bf16 / fp16 at D 64, 128, 256): forward 64 x 64 (32 x 32 above D 128), 4 warps;
+# backward 64 x 64 at D <= 64, 32 x 64 at D <= 128, 32 x 32 with 8 warps above.
+_STAGES = 1 if _INTERPRET else 2
+
+
+def _tiles(D, Dv, backward=False):
+    """(BLOCK_M, BLOCK_N, num_warps) for these head dims."""
+    if _INTERPRET:
+        return 16, 16, 4
+    wide = max(D, Dv)
+    if not backward:
+        return (64, 64, 4) if wide <= 128 else (32, 32, 4)
+    return (64, 64, 4) if wide <= 64 else (32, 64, 4) if wide <= 128 else (32, 32, 8)
+
+
+@triton.jit
+def _sequence(Cu, b):
+    """Start (int64) and length of sequence b of a cu_seqlens array."""
+    start = tl.load(Cu + b)
+    return start.to(tl.int64), tl.load(Cu + b + 1) - start
+
+
+@triton.jit
+def _seq_band(Lq, Lk, left, right, BOTTOM_RIGHT: tl.constexpr):
+    """The kernel band (band_lo, band_hi) of one sequence: key j is allowed for query i iff
+    i + band_lo <= j <= i + band_hi, clamped to [-Lq, Lk] as the dense launcher does."""
+    if BOTTOM_RIGHT:
+        offset = Lk - Lq
+    else:
+        offset = Lk * 0
+    lo = tl.minimum(tl.maximum(offset - left, -Lq), Lk)
+    hi = tl.minimum(tl.maximum(offset + right, -Lq), Lk)
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences: forward
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["seed", "threshold"])
+def _varlen_fwd_kernel(
+    Q, K, V, Out, Lse, CuQ, CuK,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_o_t, stride_o_h,
+    total_q, H, GROUP, qk_scale, left, right, seed, threshold, rcp_keep,
+    BOTTOM_RIGHT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LO_BOUNDED: tl.constexpr,
+    HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    m0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start, Lq = _sequence(CuQ, b)
+    k_start, Lk = _sequence(CuK, b)
+    if m0 < Lq:
+        hkv = (h // GROUP).to(tl.int64)
+        bh = b * H + h
+        band_lo, band_hi = _seq_band(Lq, Lk, left, right, BOTTOM_RIGHT)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        k_src = K + k_start * stride_k_t + hkv * stride_k_h
+        v_src = V + k_start * stride_v_t + hkv * stride_v_h
+        q = _load_rows(Q + q_start * stride_q_t + h.to(tl.int64) * stride_q_h, offs_m, stride_q_t,
+                       offs_d, Lq, HEAD_DIM, BLOCK_D, True)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, Q, offs_m, offs_d, offs_dv, n_base, 0, t1,
+            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
+            threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED,
+            HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, False, False)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, Q, offs_m, offs_d, offs_dv, n_base, t1, t2,
+            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
+            threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED,
+            HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False, False, False)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, Q, offs_m, offs_d, offs_dv, n_base, t2, num,
+            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
+            threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED,
+            HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, False, False)
+
+        dead = l_i == 0.0
+        l_safe = tl.where(dead, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        if HAS_DROPOUT:
+            out = out * rcp_keep
+        lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+        row_ok = offs_m < Lq
+        rows = q_start + offs_m
+        out_ptrs = Out + rows[:, None] * stride_o_t + h.to(tl.int64) * stride_o_h + offs_dv[None, :]
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+        tl.store(Lse + h.to(tl.int64) * total_q + rows, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences: backward (dK/dV per key block, then dQ per query block; no atomics)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["seed", "threshold"])
+def _varlen_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV, CuQ, CuK,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_do_t, stride_do_h, stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
+    total_q, H, GROUP, scale, qk_scale, left, right, seed, threshold, rcp_keep,
+    BOTTOM_RIGHT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LO_BOUNDED: tl.constexpr,
+    HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    n0 = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(1)
+    hkv = tl.program_id(2).to(tl.int64)
+    q_start, Lq = _sequence(CuQ, b)
+    k_start, Lk = _sequence(CuK, b)
+    if n0 < Lk:
+        band_lo, band_hi = _seq_band(Lq, Lk, left, right, BOTTOM_RIGHT)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        k = _load_rows(K + k_start * stride_k_t + hkv * stride_k_h, offs_n, stride_k_t, offs_d,
+                       Lk, HEAD_DIM, BLOCK_D, True)
+        v = _load_rows(V + k_start * stride_v_t + hkv * stride_v_h, offs_n, stride_v_t, offs_dv,
+                       Lk, HEAD_DIM_V, BLOCK_DV, True)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        # Query tiles that intersect the band (as in the dense dK/dV kernel).
+        n_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
+        m_base = (tl.maximum(n0 - band_hi, 0) // BLOCK_M) * BLOCK_M
+        m_end = tl.minimum(n_last - band_lo + 1, Lq)
+        num = tl.cdiv(tl.maximum(m_end - m_base, 0), BLOCK_M)
+        first = n0 + BLOCK_N - 1 - band_hi
+        last = tl.where(n0 + BLOCK_N <= Lk, tl.minimum(n0 - band_lo - BLOCK_M + 1, Lq - BLOCK_M), -1)
+        t1, t2 = _interior_tiles(m_base, num, first, last, BLOCK_M)
+        for g in range(0, GROUP):
+            h = hkv * GROUP + g
+            bh = b * H + h
+            q_src = Q + q_start * stride_q_t + h * stride_q_h
+            do_src = DOut + q_start * stride_do_t + h * stride_do_h
+            lse_ptr = Lse + h * total_q + q_start
+            delta_ptr = Delta + h * total_q + q_start
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, Q, offs_n, offs_d, offs_dv,
+                m_base, 0, t1, stride_q_t, stride_do_t, 0, 0, Lq, Lk, qk_scale, band_lo,
+                band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION,
+                BLOCK_M, True, False)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, Q, offs_n, offs_d, offs_dv,
+                m_base, t1, t2, stride_q_t, stride_do_t, 0, 0, Lq, Lk, qk_scale, band_lo,
+                band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION,
+                BLOCK_M, False, False)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, Q, offs_n, offs_d, offs_dv,
+                m_base, t2, num, stride_q_t, stride_do_t, 0, 0, Lq, Lk, qk_scale, band_lo,
+                band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION,
+                BLOCK_M, True, False)
+        rows = k_start + offs_n
+        row_ok = offs_n[:, None] < Lk
+        tl.store(DK + rows[:, None] * stride_dk_t + hkv * stride_dk_h + offs_d[None, :],
+                 (dk * scale).to(DK.dtype.element_ty), mask=row_ok & (offs_d[None, :] < HEAD_DIM))
+        tl.store(DV + rows[:, None] * stride_dv_t + hkv * stride_dv_h + offs_dv[None, :],
+                 dv.to(DV.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit(do_not_specialize=["seed", "threshold"])
+def _varlen_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, CuQ, CuK,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_do_t, stride_do_h, stride_dq_t, stride_dq_h,
+    total_q, H, GROUP, scale, qk_scale, left, right, seed, threshold, rcp_keep,
+    BOTTOM_RIGHT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LO_BOUNDED: tl.constexpr,
+    HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    m0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    q_start, Lq = _sequence(CuQ, b)
+    k_start, Lk = _sequence(CuK, b)
+    if m0 < Lq:
+        hkv = h // GROUP
+        bh = b * H + h
+        band_lo, band_hi = _seq_band(Lq, Lk, left, right, BOTTOM_RIGHT)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        k_src = K + k_start * stride_k_t + hkv * stride_k_h
+        v_src = V + k_start * stride_v_t + hkv * stride_v_h
+        q = _load_rows(Q + q_start * stride_q_t + h * stride_q_h, offs_m, stride_q_t, offs_d, Lq,
+                       HEAD_DIM, BLOCK_D, True)
+        do = _load_rows(DOut + q_start * stride_do_t + h * stride_do_h, offs_m, stride_do_t,
+                        offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, True)
+        lse = _load_vec(Lse + h * total_q + q_start, offs_m, Lq, True)
+        lse = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+        delta = _load_vec(Delta + h * total_q + q_start, offs_m, Lq, True)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, k_src, v_src, Q, Q, offs_m, offs_d, offs_dv, n_base, 0, t1,
+            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
+            threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
+            LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_N, True, False)
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, k_src, v_src, Q, Q, offs_m, offs_d, offs_dv, n_base, t1, t2,
+            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
+            threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
+            LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_N, False, False)
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, k_src, v_src, Q, Q, offs_m, offs_d, offs_dv, n_base, t2, num,
+            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
+            threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
+            LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_N, True, False)
+        rows = q_start + offs_m
+        tl.store(DQ + rows[:, None] * stride_dq_t + h * stride_dq_h + offs_d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged KV cache: split-KV decoding
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _paged_rows(Cache, Table, b_table, offs_n, n_valid, hkv, offs_d, stride_c_blk, stride_c_slot,
+                stride_c_h, BLOCK_SIZE, DIM: tl.constexpr):
+    """Gather the cache rows of positions offs_n (< n_valid) of one sequence (its block_table
+    row at b_table) and kv head: a [len(offs_n), BLOCK] tile, zero elsewhere."""
+    valid = offs_n < n_valid
+    blk = tl.load(Table + b_table + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = blk * stride_c_blk + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_c_slot + hkv * stride_c_h
+    return tl.load(Cache + rows[:, None] + offs_d[None, :],
+                   mask=valid[:, None] & (offs_d[None, :] < DIM), other=0.0)
+
+
+@triton.jit
+def _paged_fwd_kernel(
+    Q, KC, VC, Table, Seqlens, OPart, LsePart,
+    stride_q_b, stride_q_h, stride_q_m,
+    stride_kc_blk, stride_kc_slot, stride_kc_h,
+    stride_vc_blk, stride_vc_slot, stride_vc_h,
+    stride_t_b, H, GROUP, Lq, BLOCK_SIZE, split_len, num_splits, qk_scale, left, right,
+    BOTTOM_RIGHT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LO_BOUNDED: tl.constexpr,
+    HI_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bhkv = tl.program_id(1)
+    r0 = tl.program_id(2) * BLOCK_M
+    Hkv = H // GROUP
+    b = (bhkv // Hkv).to(tl.int64)
+    hkv = (bhkv % Hkv).to(tl.int64)
+    Lk = tl.load(Seqlens + b)
+    band_lo, band_hi = _seq_band(Lq, Lk, left, right, BOTTOM_RIGHT)
+
+    # Rows r of the group: query head hkv * GROUP + r // Lq, query row r % Lq.
+    offs_r = r0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_r < GROUP * Lq
+    offs_i = offs_r % Lq
+    h = hkv * GROUP + (offs_r // Lq).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + offs_i[:, None] * stride_q_m
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    # Keys of this split that some query row (0 <= i < Lq) may see.
+    n_lo = tl.maximum(tl.maximum(split * split_len, band_lo), 0)
+    n_lo = (n_lo // BLOCK_N) * BLOCK_N
+    n_end = tl.minimum(tl.minimum((split + 1) * split_len, Lk), Lq - 1 + band_hi + 1)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_table = b * stride_t_b
+    for n0 in range(n_lo, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _paged_rows(KC, Table, b_table, offs_n, n_end, hkv, offs_d, stride_kc_blk,
+                        stride_kc_slot, stride_kc_h, BLOCK_SIZE, HEAD_DIM)
+        s = _scores(q, k, offs_i, offs_n, Q, 0, 0, Lq, n_end, qk_scale, band_lo, band_hi, False,
+                    False, LO_BOUNDED, HI_BOUNDED, True, False, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _paged_rows(VC, Table, b_table, offs_n, n_end, hkv, offs_dv, stride_vc_blk,
+                        stride_vc_slot, stride_vc_h, BLOCK_SIZE, HEAD_DIM_V)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+        m_i = m_new
+
+    dead = l_i == 0.0
+    l_safe = tl.where(dead, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+    # Partials (B, H, Lq, num_splits[, Dv]), float32.
+    part = ((b * H + h) * Lq + offs_i) * num_splits + split
+    tl.store(OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LsePart + part, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+def _check_common(q, k, v, what):
+    for name, x in (("q", q), (f"k{what}", k), (f"v{what}", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must have q's dtype and device, got {x.dtype} on {x.device}")
+        if x.shape[-1] > 1 and x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride on its last dim, got {x.stride()}")
+    D, Dv = q.shape[-1], v.shape[-1]
+    if not (1 <= D <= _MAX_HEAD_DIM and 1 <= Dv <= _MAX_HEAD_DIM):
+        raise ValueError(f"head dims must be in [1, {_MAX_HEAD_DIM}], got {D} and {Dv}")
+    return D, Dv
+
+
+def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+    D, Dv = _check_common(q, k, v, "")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be 3-D (total, heads, dim), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    H, Hkv = q.shape[1], k.shape[1]
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != D or Hkv == 0 or H % Hkv:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] != cu_q.shape[0] or cu.device != q.device:
+            raise ValueError(f"{name} must be int32 (batch + 1,) on q's device, got {cu.dtype} "
+                             f"{tuple(cu.shape)} on {cu.device}")
+    if max_q < 0 or max_k < 0:
+        raise ValueError(f"max_seqlen_q / max_seqlen_k must be >= 0, got {max_q}, {max_k}")
+    return H, Hkv, D, Dv, cu_q.shape[0] - 1
+
+
+def _band_flags(left, right, unbounded):
+    return left < unbounded, right < unbounded
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left, right, dropout_p, seed):
+    """Packed forward; returns out (total_q, H, Dv) and lse (H, total_q) float32. cu_seqlens must
+    be valid (checked by fastattn.varlen_attention) and max_seqlen_* at least every length: the
+    grid covers max_seqlen blocks and each program reads its sequence's bounds."""
+    H, Hkv, D, Dv, batch = _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    total_q = q.shape[0]
+    out = torch.empty((total_q, H, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0 or max_q == 0:
+        return out, lse
+    seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
+    lo_b, hi_b = _band_flags(left, right, max_q + max_k)
+    block_m, block_n, warps = _tiles(D, Dv)
+    grid = (triton.cdiv(max_q, block_m), batch, H)
+    torch.library.wrap_triton(_varlen_fwd_kernel)[grid](
+        q, k, v, out, lse, cu_q, cu_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        total_q, H, H // Hkv, scale * _LOG2E.value, left, right, seed32, threshold, rcp_keep,
+        BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
+        BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
+        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=_STAGES,
+    )
+    return out, lse
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
+                    right, dropout_p, seed):
+    """Packed backward; returns dq, dk, dv shaped like q, k, v (dk, dv summed over GQA groups)."""
+    H, Hkv, D, Dv, batch = _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    total_q = q.shape[0]
+    if tuple(dout.shape) != tuple(out.shape) or tuple(out.shape) != (total_q, H, Dv):
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must be {(total_q, H, Dv)}")
+    if tuple(lse.shape) != (H, total_q) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 {(H, total_q)}, got {lse.dtype} {tuple(lse.shape)}")
+    dout = dout.to(q.dtype)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    lse = lse.contiguous()
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    if batch == 0 or (total_q == 0 and k.shape[0] == 0):
+        return dq, dk, dv
+    seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
+    lo_b, hi_b = _band_flags(left, right, max_q + max_k)
+    block_m, block_n, warps = _tiles(D, Dv, backward=True)
+    consts = dict(
+        BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
+        BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
+        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=_STAGES,
+    )
+    scalars = (total_q, H, H // Hkv, scale, scale * _LOG2E.value, left, right, seed32, threshold,
+               rcp_keep)
+    delta = torch.empty((H, total_q), dtype=torch.float32, device=q.device)
+    if total_q:
+        # delta = rowsum(dO * O): the dense preprocess on the (1, H, total_q) view.
+        torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(total_q, _PRE_BLOCK_M) * H,)](
+            out, dout, delta, 0, out.stride(1), out.stride(0), 0, dout.stride(1), dout.stride(0),
+            H, total_q, HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
+        )
+    if max_k:
+        torch.library.wrap_triton(_varlen_dkdv_kernel)[(triton.cdiv(max_k, block_n), batch, Hkv)](
+            q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            *scalars, **consts,
+        )
+    if max_q:
+        torch.library.wrap_triton(_varlen_dq_kernel)[(triton.cdiv(max_q, block_m), batch, H)](
+            q, k, v, dout, lse, delta, dq, cu_q, cu_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+            *scalars, **consts,
+        )
+    return dq, dk, dv
+
+
+def _num_splits(device, programs, key_tiles):
+    """Key splits so that about two programs run per SM (of kernels.tuning's target), at most
+    one per key tile."""
+    sms = tuning.num_sms(device)
+    return max(1, min(triton.cdiv(2 * sms, max(programs, 1)), key_tiles))
+
+
+def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom_right, left, right,
+                  num_splits=None):
+    """Paged decoding forward; returns out (B, H, Lq, Dv) and lse (B, H, Lq) float32.
+    block_table / cache_seqlens must be valid (checked by fastattn.paged_attention: entries of
+    used slots in range, lengths within the owned blocks). ``num_splits`` (default: fill the GPU)
+    sets the key splits."""
+    D, Dv = _check_common(q, k_cache, v_cache, "_cache")
+    B, H, Lq, _ = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    if (k_cache.dim(), v_cache.dim(), q.dim()) != (4, 4, 4) or k_cache.shape[:3] != v_cache.shape[:3] \
+            or k_cache.shape[3] != D or Hkv == 0 or H % Hkv:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    for name, t, shape in (("block_table", block_table, (B, block_table.shape[-1])),
+                           ("cache_seqlens", cache_seqlens, (B,))):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != q.device:
+            raise ValueError(f"{name} must be int32 {shape} on q's device, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    out = torch.empty((B, H, Lq, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    max_len = block_table.shape[1] * block_size
+    rows = (H // Hkv) * Lq
+    tile_m, block_n, warps = _tiles(D, Dv)
+    block_m = max(16, min(triton.next_power_of_2(rows), tile_m))
+    row_tiles = triton.cdiv(rows, block_m)
+    key_tiles = max(1, triton.cdiv(max_len, block_n))
+    splits = num_splits or _num_splits(q.device, B * Hkv * row_tiles, key_tiles)
+    split_len = triton.cdiv(triton.cdiv(max(max_len, 1), splits), block_n) * block_n
+    o_part = torch.empty((B, H, Lq, splits, Dv), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, H, Lq, splits), dtype=torch.float32, device=q.device)
+    block_table = block_table.contiguous()
+    cache_seqlens = cache_seqlens.contiguous()
+    lo_b, hi_b = _band_flags(left, right, Lq + max_len)
+    torch.library.wrap_triton(_paged_fwd_kernel)[(splits, B * Hkv, row_tiles)](
+        q, k_cache, v_cache, block_table, cache_seqlens, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), H, H // Hkv, Lq, block_size, split_len, splits,
+        scale * _LOG2E.value, left, right,
+        BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
+        BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b,
+        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=_STAGES,
+    )
+    # Merge the splits: lse = logsumexp_s lse_s, O = sum_s exp(lse_s - lse) O_s.
+    lse.copy_(torch.logsumexp(lse_part, dim=-1))
+    dead = torch.isneginf(lse)
+    w = torch.exp(lse_part - torch.where(dead, 0.0, lse)[..., None])
+    out.copy_((w[..., None] * o_part).sum(-2))
+    return out, lse
