@@ -77,10 +77,22 @@ def hf_attention_forward(
     ``query (B, H, L, D)``, ``key``/``value (B, Hkv, S, D)``, ``attention_mask`` None, bool
     (True = may attend) or float (added), broadcastable to (B, H, L, S). Follows transformers'
     ``sdpa`` integration: without a mask, ``is_causal`` (or ``module.is_causal``) applies the
-    top-left causal band for more than one query. Returns ``(out (B, L, H, Dv), None)``.
+    top-left causal band for more than one query. Returns ``(out (B, L, H, Dv), None)``. When
+    transformers passes ``cu_seq_lens_q/k`` (a padding-free, packed batch), the sequences go to
+    :func:`fastattn.ops.varlen.hf_varlen_attention_forward` instead.
     """
     if kwargs.get("softcap") is not None:
         raise ValueError("fastattn attention does not support `softcap`; use attn_implementation='eager'")
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        # A padding-free (packed) batch: the sequence bounds are the mask.
+        if position_bias is not None:
+            raise ValueError("fastattn's packed (cu_seq_lens) path takes no position_bias; use "
+                             "attn_implementation='eager'")
+        from fastattn.ops import varlen
+
+        return varlen.hf_varlen_attention_forward(module, query, key, value, attention_mask,
+                                                  scaling, dropout, is_causal=is_causal,
+                                                  backend=backend, **kwargs)
     L = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(L > 1 and attention_mask is None and causal)

@@ -223,24 +223,21 @@ def _tiny(transformers, kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_hf_packed_batch_equals_eager(transformers, kind):
-    """A packed batch through hf_varlen_attention_forward (what fastattn's HF attention function
-    calls when transformers passes cu_seq_lens_*) equals eager on each sequence alone, forward
-    and gradients."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from fastattn.ops.varlen import hf_varlen_attention_forward
+def test_hf_packed_batch_equals_eager(transformers, kind, monkeypatch):
+    """A packed batch through fastattn's registered HF attention (attn_implementation="fastattn"),
+    which takes the varlen path when transformers passes cu_seq_lens_*, equals eager on each
+    sequence alone, forward and gradients."""
+    from fastattn.ops import varlen
 
     calls = []
+    packed = varlen.hf_varlen_attention_forward
 
-    def packed_only(module, query, key, value, attention_mask, **kwargs):
-        assert kwargs.get("cu_seq_lens_q") is not None, "transformers did not pass cu_seq_lens_q"
+    def spy(module, query, *args, **kwargs):
         calls.append(query.shape)
-        return hf_varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return packed(module, query, *args, **kwargs)
 
-    AttentionInterface.register("fastattn_varlen_test", packed_only)
-    AttentionMaskInterface.register("fastattn_varlen_test", sdpa_mask)
+    monkeypatch.setattr(varlen, "hf_varlen_attention_forward", spy)
+    fastattn.register_hf()
     model = _tiny(transformers, kind)
     lengths = [5, 17, 1]
     g = torch.Generator().manual_seed(1)
@@ -251,7 +248,7 @@ def test_hf_packed_batch_equals_eager(transformers, kind):
     sum(e.square().mean() for e in eager).backward()
     eager_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    model.set_attn_implementation("fastattn_varlen_test")
+    model.set_attn_implementation("fastattn")
     model.zero_grad()
     cu = _cu(lengths, "cpu")
     positions = torch.cat([torch.arange(n) for n in lengths])[None]

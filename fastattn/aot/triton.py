@@ -207,9 +207,39 @@ def _ffn_cases():
     return cases
 
 
+def _varlen_cases():
+    from fastattn.kernels import varlen as VL
+
+    def packed(d, dtype, batch=8, L=2048):
+        total = batch * L
+        q, k, v = (_t(total, 8, d, dtype=dtype) for _ in range(3))
+        cu = torch.arange(0, total + 1, L, dtype=torch.int32)
+
+        def run():  # causal, scale 0.1, no dropout
+            out, lse = VL.varlen_forward(q, k, v, cu, cu, L, L, 0.1, True, 2 * L, 0, 0.0, 0)
+            VL.varlen_backward(out, q, k, v, out, lse, cu, cu, L, L, 0.1, True, 2 * L, 0, 0.0, 0)
+        return run
+
+    def paged(d, dtype, B=8, L=4096, block=16, Hkv=8, H=32):
+        q = _t(B, H, 1, d, dtype=dtype)
+        cache = _t(B * L // block, block, Hkv, d, dtype=dtype)
+        table = torch.zeros(B, L // block, dtype=torch.int32)
+        lens = torch.zeros(B, dtype=torch.int32)
+        return lambda: VL.paged_forward(q, cache, cache, table, lens, 0.1, True, L + 1, 0)
+
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in (64, 128, 256):
+            quick = dtype == torch.bfloat16 and d == 128
+            tag = f"{_SHORT[dtype]} D{d}"
+            cases.append(Case("varlen", f"{tag} packed 8x2k causal", packed(d, dtype), quick))
+            cases.append(Case("decode", f"{tag} paged B8 L4k", paged(d, dtype), quick))
+    return cases
+
+
 def cases(ops=None, quick=False):
     """The cases of the ops named (all by default); quick: the CI subset."""
-    found = _attention_cases() + _norm_cases() + _ffn_cases()
+    found = _attention_cases() + _norm_cases() + _ffn_cases() + _varlen_cases()
     return [c for c in found if (not quick or c.quick) and (ops is None or c.op in ops)]
 
 
