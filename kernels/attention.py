@@ -346,6 +346,21 @@ def _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.
     return n_base, num, t1, t2
 
 
+@triton.jit
+def _query_tiles(n0, Lq, Lk, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query tiles of the key block starting at n0 that intersect the band: the tiles start at
+    ``m_base + t * BLOCK_M`` for ``t < num``; ``[t1, t2)`` have every (row, key) pair inside it
+    and no padding row (they exist only when the key block has no padding key)."""
+    n_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
+    m_base = (tl.maximum(n0 - band_hi, 0) // BLOCK_M) * BLOCK_M
+    m_end = tl.minimum(n_last - band_lo + 1, Lq)
+    num = tl.cdiv(tl.maximum(m_end - m_base, 0), BLOCK_M)
+    first = n0 + BLOCK_N - 1 - band_hi
+    last = tl.where(n0 + BLOCK_N <= Lk, tl.minimum(n0 - band_lo - BLOCK_M + 1, Lq - BLOCK_M), -1)
+    t1, t2 = _interior_tiles(m_base, num, first, last, BLOCK_M)
+    return m_base, num, t1, t2
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -587,15 +602,7 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    # Query tiles that intersect the band; interior ones have every (row, key) pair inside it
-    # and no padding row, and exist only when this key block has no padding key.
-    n_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
-    m_base = (tl.maximum(n0 - band_hi, 0) // BLOCK_M) * BLOCK_M
-    m_end = tl.minimum(n_last - band_lo + 1, Lq)
-    num = tl.cdiv(tl.maximum(m_end - m_base, 0), BLOCK_M)
-    first = n0 + BLOCK_N - 1 - band_hi
-    last = tl.where(n0 + BLOCK_N <= Lk, tl.minimum(n0 - band_lo - BLOCK_M + 1, Lq - BLOCK_M), -1)
-    t1, t2 = _interior_tiles(m_base, num, first, last, BLOCK_M)
+    m_base, num, t1, t2 = _query_tiles(n0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
 
     for g in range(0, GROUP):
         h = hkv * GROUP + g

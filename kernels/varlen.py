@@ -52,10 +52,10 @@ from .attention import (
     _dropout_args,
     _fwd_tiles,
     _head_block,
-    _interior_tiles,
     _key_tiles,
     _load_rows,
     _load_vec,
+    _query_tiles,
     _scores,
 )
 
@@ -192,14 +192,7 @@ def _varlen_dkdv_kernel(
                        Lk, HEAD_DIM_V, BLOCK_DV, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        # Query tiles that intersect the band (as in the dense dK/dV kernel).
-        n_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
-        m_base = (tl.maximum(n0 - band_hi, 0) // BLOCK_M) * BLOCK_M
-        m_end = tl.minimum(n_last - band_lo + 1, Lq)
-        num = tl.cdiv(tl.maximum(m_end - m_base, 0), BLOCK_M)
-        first = n0 + BLOCK_N - 1 - band_hi
-        last = tl.where(n0 + BLOCK_N <= Lk, tl.minimum(n0 - band_lo - BLOCK_M + 1, Lq - BLOCK_M), -1)
-        t1, t2 = _interior_tiles(m_base, num, first, last, BLOCK_M)
+        m_base, num, t1, t2 = _query_tiles(n0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
         for g in range(0, GROUP):
             h = hkv * GROUP + g
             bh = b * H + h
