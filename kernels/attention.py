@@ -395,6 +395,19 @@ def _fwd_tile(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv
 
 
 @triton.jit
+def _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT: tl.constexpr):
+    """The online softmax's end: ``out = acc / l`` (scaled by 1 / (1 - p) under dropout) and the
+    natural-log ``lse``; a row with nothing to attend (l == 0) gives 0 and -inf."""
+    dead = l_i == 0.0
+    l_safe = tl.where(dead, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * rcp_keep
+    lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+    return out, lse
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base,
                t_begin, t_end, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk,
                qk_scale, band_lo, band_hi, seed, bh, threshold,
@@ -489,12 +502,7 @@ def _attn_fwd_kernel(
             MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True,
             USE_TMA, False)
 
-    dead = l_i == 0.0
-    l_safe = tl.where(dead, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if HAS_DROPOUT:
-        out = out * rcp_keep
-    lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+    out, lse = _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT)
 
     row_ok = offs_m < Lq
     out_ptrs = (Out + b * stride_o_b + h * stride_o_h

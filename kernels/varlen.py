@@ -40,7 +40,6 @@ from . import tuning
 from .attention import (
     _DTYPES,
     _INTERPRET,
-    _LN2,
     _LOG2E,
     _MAX_HEAD_DIM,
     _PRE_BLOCK_M,
@@ -50,6 +49,7 @@ from .attention import (
     _dot_precision,
     _dq_tiles,
     _dropout_args,
+    _fwd_finish,
     _fwd_tiles,
     _head_block,
     _key_tiles,
@@ -147,12 +147,7 @@ def _varlen_fwd_kernel(
             threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED,
             HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, False, False)
 
-        dead = l_i == 0.0
-        l_safe = tl.where(dead, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        if HAS_DROPOUT:
-            out = out * rcp_keep
-        lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+        out, lse = _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT)
         row_ok = offs_m < Lq
         rows = q_start + offs_m
         out_ptrs = Out + rows[:, None] * stride_o_t + h.to(tl.int64) * stride_o_h + offs_dv[None, :]
@@ -353,10 +348,7 @@ def _paged_fwd_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_new
 
-    dead = l_i == 0.0
-    l_safe = tl.where(dead, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(dead, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+    out, lse = _fwd_finish(acc, m_i, l_i, 1.0, False)
     # Partials (B, H, Lq, num_splits[, Dv]), float32.
     part = ((b * H + h) * Lq + offs_i) * num_splits + split
     tl.store(OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,

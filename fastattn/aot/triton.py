@@ -328,6 +328,13 @@ def _warp_specialized(config):
     return config is not None and bool(config.kwargs.get("WARP_SPECIALIZE"))
 
 
+def _launch_kwargs(launch, config):
+    """The launch's keyword arguments with the config's (block sizes, warps, stages) applied."""
+    kwargs = {**launch.kwargs, **(config.all_kwargs() if config is not None else {})}
+    kwargs.setdefault("debug", False)
+    return kwargs
+
+
 def _bind(launch, config, target):
     """Triton's binder for the target: fn, kwargs, backend, bound args, specialization, options."""
     from triton.backends.compiler import GPUTarget
@@ -335,10 +342,7 @@ def _bind(launch, config, target):
     from triton.runtime.jit import create_function_from_signature
 
     fn = _jit_function(launch.fn)
-    kwargs = dict(launch.kwargs)
-    if config is not None:
-        kwargs.update(config.all_kwargs())
-    kwargs.setdefault("debug", False)
+    kwargs = _launch_kwargs(launch, config)
     major, minor = target["capability"]
     backend = make_backend(GPUTarget("cuda", major * 10 + minor, 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -403,9 +407,7 @@ def compile_variant(launch, config, target=H100):
     from fastattn.kernels import attention as A
 
     fn = _jit_function(launch.fn)
-    kwargs = dict(launch.kwargs)
-    if config is not None:
-        kwargs.update(config.all_kwargs())
+    kwargs = _launch_kwargs(launch, config)
     major, minor = target["capability"]
     arch = major * 10 + minor
     name = fn.fn.__name__
