@@ -14,8 +14,12 @@ A backend is chosen per call, in this order: the call's ``backend=`` argument, t
 available backend for the inputs' device. A backend named explicitly must be available, support the
 op and the device; otherwise a ValueError says why and lists the backends that would work.
 
-Users add their own implementation with :func:`register_backend`; it is then selectable by name
-like the built-in ones.
+Each (op, backend) pair declares what it takes — a :class:`Capability`: dtypes, device types and
+limits on the call (a head dim, say) — and :func:`select` checks the call against it before any
+kernel runs: a backend named explicitly that cannot take the call raises the registry's ValueError;
+the automatic choice passes over it to the next. Users add their own implementation with
+:func:`register_backend`, which takes the same declaration; it is then selectable by name like the
+built-in ones.
 """
 
 from __future__ import annotations
@@ -43,9 +47,24 @@ _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ALL_DTYPES = (*_GPU_DTYPES, torch.float64)
 
 
+@dataclass(frozen=True)
+class Capability:
+    """What one backend's implementation of one op takes.
+
+    ``dtypes`` / ``devices``: None means the backend's own. ``limits`` is called with the facts
+    the public op passes to :func:`select` (e.g. ``head_dim=...``) and returns why the call is out
+    of reach (a phrase: "head dim 300 > 256"), or None.
+    """
+
+    dtypes: tuple[torch.dtype, ...] | None = None
+    devices: tuple[str, ...] | None = None
+    limits: Callable[..., str | None] | None = None
+
+
 @dataclass
 class Backend:
-    """A backend: which device types it runs on, why it may be unavailable, its op implementations."""
+    """A backend: which device types it runs on, why it may be unavailable, its op
+    implementations and, per op, what that implementation takes."""
 
     name: str
     devices: tuple[str, ...]
@@ -53,6 +72,21 @@ class Backend:
     impls: dict[str, Callable] = field(default_factory=dict)
     dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
     missing: dict[str, str] = field(default_factory=dict)
+    caps: dict[str, Capability] = field(default_factory=dict)
+
+    def refuses(self, op: str, device: torch.device, dtype: torch.dtype | None, facts: dict) -> str | None:
+        """Why this backend cannot run ``op`` on these inputs, or None when it can."""
+        cap = self.caps.get(op, Capability())
+        problem = self.missing.get(op) or self.unavailable()
+        if problem is None and op not in self.impls:
+            problem = f"it has no implementation of {op}"
+        if problem is None and device.type not in (cap.devices or self.devices):
+            problem = f"it does not run on {device.type} tensors"
+        if problem is None and dtype is not None and dtype not in (cap.dtypes or self.dtypes):
+            problem = f"it does not take {dtype}"
+        if problem is None and cap.limits is not None:
+            problem = cap.limits(**facts)
+        return problem
 
 
 def interpreting() -> bool:
@@ -102,15 +136,34 @@ _logged_fallbacks: set[tuple[str, str, str]] = set()
 
 
 def register_backend(
-    op: str, name: str, fn: Callable, *, devices: tuple[str, ...] = ("cuda", "cpu")
+    op: str,
+    name: str,
+    fn: Callable,
+    *,
+    devices: tuple[str, ...] | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    limits: Callable[..., str | None] | None = None,
 ) -> None:
     """Make ``fn`` the implementation of ``op`` for backend ``name``.
 
-    ``fn`` takes the same arguments as the public op (without ``backend=``). A new backend name is
-    created on first registration, usable on ``devices``; an existing one keeps its devices.
+    ``fn`` follows the op's backend contract (the ``Backend contract`` in the docstring of the
+    op's module, e.g. :mod:`fastattn.ops.softmax`). A new backend name is created on first
+    registration, usable on ``devices`` (default cuda and cpu). ``devices``, ``dtypes`` and
+    ``limits`` declare what this implementation takes (see :class:`Capability`); left None they
+    are the backend's own. :func:`select` refuses a call outside them before ``fn`` is called.
     """
-    backend = _REGISTRY.setdefault(name, Backend(name, tuple(devices)))
+    if not callable(fn):
+        raise TypeError(f"the implementation of {op!r} for backend {name!r} must be callable, got {type(fn).__name__}")
+    backend = _REGISTRY.setdefault(name, Backend(name, tuple(devices or ("cuda", "cpu"))))
     backend.impls[op] = fn
+    backend.caps[op] = Capability(
+        tuple(dtypes) if dtypes is not None else None, tuple(devices) if devices is not None else None, limits
+    )
+
+
+def capability(op: str, name: str) -> Capability:
+    """What backend ``name`` declared it takes for ``op``."""
+    return _check_name(name).caps.get(op, Capability())
 
 
 def note_missing(op: str, name: str, reason: str) -> None:
@@ -167,25 +220,26 @@ def _requested() -> tuple[str | None, str]:
 
 
 def select(
-    op: str, device: torch.device, backend: str | None = None, dtype: torch.dtype | None = None
+    op: str,
+    device: torch.device,
+    backend: str | None = None,
+    dtype: torch.dtype | None = None,
+    **facts,
 ) -> tuple[str, Callable]:
     """The backend name and implementation of ``op`` for inputs on ``device`` of ``dtype``.
 
-    The automatic choice passes over backends that do not take ``dtype`` (float64 on the GPU
-    backends goes to ``naive``), logging that once at debug level.
+    ``facts`` describe the call for the backends' declared limits (e.g. ``head_dim=``). A
+    backend named explicitly (argument, context, environment) that cannot take the call raises
+    ValueError naming the reason and the backends that can. The automatic choice passes over
+    backends that cannot (float64 on the GPU backends goes to ``naive``), logging that once at
+    debug level.
     """
     name, source = (backend, "backend=") if backend is not None else _requested()
     if name is not None:
         b = _check_name(name)
-        problem = b.missing.get(op) or b.unavailable()
-        if problem is None and op not in b.impls:
-            problem = f"it has no implementation of {op}"
-        if problem is None and device.type not in b.devices:
-            problem = f"it does not run on {device.type} tensors"
-        if problem is None and dtype is not None and dtype not in b.dtypes:
-            problem = f"it does not take {dtype}"
+        problem = b.refuses(op, device, dtype, facts)
         if problem:
-            usable = [n for n in available_backends() if _supports(n, op, device)]
+            usable = [n for n, c in _REGISTRY.items() if n != name and c.refuses(op, device, dtype, facts) is None]
             raise ValueError(
                 f"backend {name!r} (from {source}) cannot run {op}: {problem}; "
                 f"backends that can: {usable}"
@@ -194,18 +248,14 @@ def select(
     best = None
     for name in _PREFERENCE.get(device.type, ("naive",)):
         b = _REGISTRY[name]
-        if b.unavailable() is None and op in b.impls:
+        if b.unavailable() is None and op in b.impls and op not in b.missing:
             best = best or name
-            if dtype is None or dtype in b.dtypes:
+            problem = b.refuses(op, device, dtype, facts)
+            if problem is None:
                 if name != best:
-                    log_fallback_once(op, best, name, f"{best} does not take {dtype}")
+                    log_fallback_once(op, best, name, f"{best} cannot: {_REGISTRY[best].refuses(op, device, dtype, facts)}")
                 return name, b.impls[op]
     raise ValueError(f"no backend can run {op} on {device.type} tensors")
-
-
-def _supports(name: str, op: str, device: torch.device) -> bool:
-    b = _REGISTRY[name]
-    return op in b.impls and device.type in b.devices
 
 
 def log_fallback_once(op: str, src: str, dst: str, reason: str) -> None:

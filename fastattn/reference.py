@@ -18,6 +18,9 @@ import math
 
 import numpy as np
 
+from fastattn import activations as act
+from fastattn.activations import ACTIVATIONS, GATED as GATED_ACTIVATIONS
+
 __all__ = [
     "ACTIVATIONS",
     "GATED_ACTIVATIONS",
@@ -587,10 +590,8 @@ def rms_norm_backward(dy, x, normalized_shape, weight=None, eps=1e-6):
 # Activations and the feed-forward block
 # ---------------------------------------------------------------------------------------------
 
-#: Names accepted by :func:`activation`, :func:`ffn` and :func:`transformer_block`.
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
-#: Gated activations: the input ``h`` of width ``2 * hidden`` is split as ``[gate, up]``.
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+# The names (ACTIVATIONS) and which are gated (GATED_ACTIVATIONS: the input ``h`` of width
+# ``2 * hidden`` splits as ``[gate, up]``) come from the one table, fastattn/activations.py.
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -628,8 +629,8 @@ def _silu(h):
     return h * s, s * (1.0 + h * (1.0 - s))
 
 
-_ELEMENTWISE = {"gelu": _gelu, "gelu_tanh": _gelu_tanh, "relu": _relu, "silu": _silu}
-_GATE_OF = {"swiglu": _silu, "geglu": _gelu}
+#: The elementwise function f of each activation code, returning ``(f, f')``.
+_FUNCTIONS = {act.GELU: _gelu, act.GELU_TANH: _gelu_tanh, act.RELU: _relu, act.SILU: _silu}
 
 
 def _split_gate(h):
@@ -639,20 +640,15 @@ def _split_gate(h):
     return h[..., : n // 2], h[..., n // 2:]
 
 
-def _check_activation(name):
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
-
-
 def _activate(name, h):
     """Forward of :func:`activation` (a separate name so ``ffn`` may call its argument
     ``activation``)."""
-    _check_activation(name)
+    a = act.lookup(name)
     h = _f64(h)
-    if name in _ELEMENTWISE:
-        return _ELEMENTWISE[name](h)[0]
+    if not a.gated:
+        return _FUNCTIONS[a.code](h)[0]
     gate, up = _split_gate(h)
-    return _GATE_OF[name](gate)[0] * up
+    return _FUNCTIONS[a.code](gate)[0] * up
 
 
 def activation(name, h):
@@ -671,12 +667,12 @@ def activation_backward(name, h, dy):
     Elementwise: ``dh = f'(h) * dy``. Gated ``y = f(gate) * up``:
     ``dh = [f'(gate) * up * dy, f(gate) * dy]`` (same width as ``h``).
     """
-    _check_activation(name)
+    a = act.lookup(name)
     h, dy = _f64(h), _f64(dy)
-    if name in _ELEMENTWISE:
-        return _ELEMENTWISE[name](h)[1] * dy
+    if not a.gated:
+        return _FUNCTIONS[a.code](h)[1] * dy
     gate, up = _split_gate(h)
-    f, df = _GATE_OF[name](gate)
+    f, df = _FUNCTIONS[a.code](gate)
     return np.concatenate([df * up * dy, f * dy], axis=-1)
 
 

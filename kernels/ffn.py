@@ -55,20 +55,16 @@ import torch
 import triton
 import triton.language as tl
 
+from fastattn import activations as act
+
 from . import tuning
 
-__all__ = ["ffn_fwd", "ffn_bwd", "ACTIVATIONS", "GATED_ACTIVATIONS"]
+__all__ = ["ffn_fwd", "ffn_bwd"]
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu")
-
-_IDENTITY, _GELU, _GELU_TANH, _RELU, _SILU = (tl.constexpr(i) for i in range(5))
-#: activation name -> (elementwise activation id, gated)
-_ACT_IDS = {
-    "gelu": (_GELU.value, False), "gelu_tanh": (_GELU_TANH.value, False),
-    "relu": (_RELU.value, False), "silu": (_SILU.value, False),
-    "swiglu": (_SILU.value, True), "geglu": (_GELU.value, True),
-}
+# Activation ids: the codes of the one activation table (fastattn/activations.py).
+_IDENTITY, _GELU, _GELU_TANH, _RELU, _SILU = (
+    tl.constexpr(c) for c in (act.IDENTITY, act.GELU, act.GELU_TANH, act.RELU, act.SILU)
+)
 _SQRT1_2: tl.constexpr = tl.constexpr(math.sqrt(0.5))
 _INV_SQRT_2PI: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -320,9 +316,8 @@ def _check_matrix(name, t, dtype, device):
 
 def _check_ffn(x, w1, w2, pre, dout, activation):
     """Validate shapes / dtypes; returns (M, D, F, D2, width of pre, activation id, gated)."""
-    if activation not in _ACT_IDS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-    act_id, gated = _ACT_IDS[activation]
+    spec = act.lookup(activation)
+    act_id, gated = spec.code, spec.gated
     _check_matrix("x", x, None, None)
     _check_matrix("w1", w1, x.dtype, x.device)
     _check_matrix("w2", w2, x.dtype, x.device)

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "fastattn/activation.h"
 #include "fastattn/common.h"
 #include "fastattn/cpu_simd.h"
 
@@ -41,25 +42,6 @@ using cpu::acc_t;
 using cpu::Vec;
 
 constexpr int64_t kMaxBlocks = 64;
-
-enum class Act { kGelu, kGeluTanh, kRelu, kSilu };
-
-struct Activation {
-  Act act;
-  bool gated;
-};
-
-Activation parse_activation(const std::string& name) {
-  if (name == "gelu") return {Act::kGelu, false};
-  if (name == "gelu_tanh") return {Act::kGeluTanh, false};
-  if (name == "relu") return {Act::kRelu, false};
-  if (name == "silu") return {Act::kSilu, false};
-  if (name == "swiglu") return {Act::kSilu, true};
-  if (name == "geglu") return {Act::kGelu, true};
-  TORCH_CHECK(false, "unknown activation '", name,
-              "'; expected one of gelu, gelu_tanh, relu, silu, swiglu, geglu");
-  return {Act::kGelu, false};  // unreachable
-}
 
 constexpr double kSqrt1_2 = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;
@@ -101,14 +83,14 @@ FASTATTN_INLINE Vec<float, W> act_vec(Act act, Vec<float, W> h, Vec<float, W>* d
   using V = Vec<float, W>;
   const V one(1.0f), half(0.5f), zero(0.0f);
   switch (act) {
-    case Act::kGelu: {
+    case kGelu: {
       const V cdf = half * (one + verf(h * V(float(kSqrt1_2))));
       if (df != nullptr) {
         *df = fma(h * V(float(kInvSqrt2Pi)), cpu::vexp(h * h * V(-0.5f)), cdf);
       }
       return h * cdf;
     }
-    case Act::kGeluTanh: {
+    case kGeluTanh: {
       // 0.5 (1 + tanh(u)) = sigmoid(2u): no cancellation in either tail.
       const V h2 = h * h;
       const V u = V(float(kSqrt2OverPi)) * fma(V(float(kGeluTanhC)) * h2, h, h);
@@ -121,10 +103,10 @@ FASTATTN_INLINE Vec<float, W> act_vec(Act act, Vec<float, W> h, Vec<float, W>* d
       }
       return h * s;
     }
-    case Act::kRelu:
+    case kRelu:
       if (df != nullptr) *df = V::select_gt(h, zero, one, zero);
       return V::select_lt(h, zero, zero, h);
-    case Act::kSilu:
+    case kSilu:
     default: {
       const V e = cpu::vexp(zero - h);
       const V s = one / (one + e);
@@ -142,23 +124,23 @@ FASTATTN_INLINE Vec<double, W> act_vec(Act act, Vec<double, W> h, Vec<double, W>
     const double x = h.v[i];
     double fx, dfx;
     switch (act) {
-      case Act::kGelu: {
+      case kGelu: {
         const double cdf = 0.5 * (1.0 + std::erf(x * kSqrt1_2));
         fx = x * cdf;
         dfx = cdf + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
         break;
       }
-      case Act::kGeluTanh: {
+      case kGeluTanh: {
         const double t = std::tanh(kSqrt2OverPi * (x + kGeluTanhC * x * x * x));
         fx = 0.5 * x * (1.0 + t);
         dfx = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * kSqrt2OverPi * (1.0 + 3 * kGeluTanhC * x * x);
         break;
       }
-      case Act::kRelu:
+      case kRelu:
         fx = x < 0 ? 0.0 : x;
         dfx = x > 0 ? 1.0 : 0.0;
         break;
-      case Act::kSilu:
+      case kSilu:
       default: {
         const double s = 0.5 * (1.0 + std::tanh(0.5 * x));
         fx = x * s;
@@ -203,7 +185,7 @@ struct Dims {
 
 // a = act(pre) for rows [r0, r1).
 template <class T, class V>
-FASTATTN_INLINE void act_fwd_rows(Activation act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
+FASTATTN_INLINE void act_fwd_rows(ActSpec act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
   constexpr int64_t W = V::size;
   for (int64_t r = r0; r < r1; ++r) {
     const T* pr = pre + r * d.F1;
@@ -220,7 +202,7 @@ FASTATTN_INLINE void act_fwd_rows(Activation act, Dims d, const T* pre, T* a, in
 // dpre = da * act'(pre) and a = act(pre) for rows [r0, r1); adds dpre's rows to `colsum` (F1
 // values) when it is not null.
 template <class T, class V>
-FASTATTN_INLINE void act_bwd_rows(Activation act, Dims d, const T* pre, const T* da, T* dpre, T* a,
+FASTATTN_INLINE void act_bwd_rows(ActSpec act, Dims d, const T* pre, const T* da, T* dpre, T* a,
                                   typename V::value_type* colsum, int64_t r0, int64_t r1) {
   constexpr int64_t W = V::size;
   using A = typename V::value_type;
@@ -267,48 +249,32 @@ FASTATTN_INLINE void act_bwd_rows(Activation act, Dims d, const T* pre, const T*
   }
 }
 
+// The activation row kernels for the ISA trampoline (cpu::isa_dispatch).
 template <class T>
-FASTATTN_TARGET_AVX512 void act_fwd_avx512(Activation act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
-  act_fwd_rows<T, Vec<acc_t<T>, 64 / sizeof(acc_t<T>)>>(act, d, pre, a, r0, r1);
-}
-template <class T>
-FASTATTN_TARGET_AVX2 void act_fwd_avx2(Activation act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
-  act_fwd_rows<T, Vec<acc_t<T>, 32 / sizeof(acc_t<T>)>>(act, d, pre, a, r0, r1);
-}
-template <class T>
-void act_fwd_default(Activation act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
-  act_fwd_rows<T, Vec<acc_t<T>, 16 / sizeof(acc_t<T>)>>(act, d, pre, a, r0, r1);
-}
-template <class T>
-FASTATTN_TARGET_AVX512 void act_bwd_avx512(Activation act, Dims d, const T* pre, const T* da, T* dpre, T* a, acc_t<T>* cs, int64_t r0, int64_t r1) {
-  act_bwd_rows<T, Vec<acc_t<T>, 64 / sizeof(acc_t<T>)>>(act, d, pre, da, dpre, a, cs, r0, r1);
-}
-template <class T>
-FASTATTN_TARGET_AVX2 void act_bwd_avx2(Activation act, Dims d, const T* pre, const T* da, T* dpre, T* a, acc_t<T>* cs, int64_t r0, int64_t r1) {
-  act_bwd_rows<T, Vec<acc_t<T>, 32 / sizeof(acc_t<T>)>>(act, d, pre, da, dpre, a, cs, r0, r1);
-}
-template <class T>
-void act_bwd_default(Activation act, Dims d, const T* pre, const T* da, T* dpre, T* a, acc_t<T>* cs, int64_t r0, int64_t r1) {
-  act_bwd_rows<T, Vec<acc_t<T>, 16 / sizeof(acc_t<T>)>>(act, d, pre, da, dpre, a, cs, r0, r1);
-}
-
-template <class T>
-void act_fwd(Activation act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return act_fwd_avx512<T>(act, d, pre, a, r0, r1);
-    case cpu::Isa::kAvx2: return act_fwd_avx2<T>(act, d, pre, a, r0, r1);
-    default: return act_fwd_default<T>(act, d, pre, a, r0, r1);
+struct ActFwdKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(ActSpec act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
+    act_fwd_rows<T, Vec<acc_t<T>, kBytes / sizeof(acc_t<T>)>>(act, d, pre, a, r0, r1);
   }
+};
+template <class T>
+struct ActBwdKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(ActSpec act, Dims d, const T* pre, const T* da, T* dpre, T* a,
+                                  acc_t<T>* cs, int64_t r0, int64_t r1) {
+    act_bwd_rows<T, Vec<acc_t<T>, kBytes / sizeof(acc_t<T>)>>(act, d, pre, da, dpre, a, cs, r0, r1);
+  }
+};
+
+template <class T>
+void act_fwd(ActSpec act, Dims d, const T* pre, T* a, int64_t r0, int64_t r1) {
+  cpu::isa_dispatch<ActFwdKernel<T>>(act, d, pre, a, r0, r1);
 }
 
 template <class T>
-void act_bwd(Activation act, Dims d, const T* pre, const T* da, T* dpre, T* a, acc_t<T>* cs,
+void act_bwd(ActSpec act, Dims d, const T* pre, const T* da, T* dpre, T* a, acc_t<T>* cs,
              int64_t r0, int64_t r1) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return act_bwd_avx512<T>(act, d, pre, da, dpre, a, cs, r0, r1);
-    case cpu::Isa::kAvx2: return act_bwd_avx2<T>(act, d, pre, da, dpre, a, cs, r0, r1);
-    default: return act_bwd_default<T>(act, d, pre, da, dpre, a, cs, r0, r1);
-  }
+  cpu::isa_dispatch<ActBwdKernel<T>>(act, d, pre, da, dpre, a, cs, r0, r1);
 }
 
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
@@ -360,7 +326,7 @@ void check_matrix(const at::Tensor& t, const at::Tensor& x, const char* name) {
 }
 
 // Returns the dims after checking x (M, D), w1 (F1, D), w2 (D2, F).
-Dims check_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, Activation act) {
+Dims check_ffn(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, ActSpec act) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D (rows, D), got shape ", x.sizes());
   check_float_dtype(x, "x", /*allow_double=*/true);
   check_matrix(w1, x, "w1");
@@ -398,7 +364,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cpu(const at::Tensor& x, const at::Te
                                                const at::Tensor& w2,
                                                const std::optional<at::Tensor>& b2,
                                                c10::string_view activation) {
-  const Activation act = parse_activation(std::string(activation));
+  const ActSpec act = parse_activation(std::string(activation));
   const Dims d = check_ffn(x, w1, w2, act);
   check_bias(b1, d.F1, x, "b1");
   check_bias(b2, w2.size(0), x, "b2");
@@ -420,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cpu(const at::Tensor& x, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& pre_in, c10::string_view activation, std::array<bool, 2> output_mask) {
-  const Activation act = parse_activation(std::string(activation));
+  const ActSpec act = parse_activation(std::string(activation));
   const Dims d = check_ffn(x, w1, w2, act);
   const int64_t D2 = w2.size(0);
   check_matrix(dout, x, "dout");

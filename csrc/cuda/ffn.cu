@@ -37,6 +37,7 @@
 // float32 GEMMs follow torch's TF32 setting (torch.backends.cuda.matmul.allow_tf32, off by
 // default). Any M (including 0), D, F, D2.
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
+#include "fastattn/activation.h"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -55,25 +56,6 @@ namespace cuda {
 namespace {
 
 using namespace ::fastattn::cuda_helpers;
-
-enum Activation : int { kGelu = 0, kGeluTanh, kRelu, kSilu };
-
-struct ActSpec {
-  Activation act;
-  bool gated;
-};
-
-ActSpec parse_activation(const std::string& name) {
-  if (name == "gelu") return {kGelu, false};
-  if (name == "gelu_tanh") return {kGeluTanh, false};
-  if (name == "relu") return {kRelu, false};
-  if (name == "silu") return {kSilu, false};
-  if (name == "swiglu") return {kSilu, true};
-  if (name == "geglu") return {kGelu, true};
-  TORCH_CHECK(false, "unknown activation '", name,
-              "'; expected one of gelu, gelu_tanh, relu, silu, swiglu, geglu");
-  return {kGelu, false};
-}
 
 constexpr float kSqrt1_2 = 0.70710678118654752f;      // 1 / sqrt(2)
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)

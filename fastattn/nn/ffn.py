@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fastattn.ops.ffn import ACTIVATIONS, GATED, ffn
+from fastattn.activations import ACTIVATIONS, GATED
+from fastattn.ops.ffn import ffn
 
 __all__ = ["FeedForward"]
 

@@ -20,28 +20,18 @@ from torch import Tensor
 
 from fastattn.nn.attention import MultiheadAttention
 from fastattn.nn.norm import LayerNorm
-from fastattn.ops.ffn import ACTIVATIONS, GATED, ffn
+from fastattn.activations import ACTIVATIONS, GATED
+from fastattn.ops.ffn import activate, ffn
 
 __all__ = ["TransformerDecoderLayer", "TransformerEncoderLayer", "activation_name"]
 
 
-def _gated(gate_fn, h: Tensor) -> Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return gate_fn(gate) * up
-
-
-_CALLABLES: dict[str, Callable[[Tensor], Tensor]] = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "silu": F.silu,
-    "swiglu": functools.partial(_gated, F.silu),
-    "geglu": functools.partial(_gated, F.gelu),
-}
+#: Eager PyTorch of each activation, for the unfused path (``fused_ffn = False`` or dropout).
+_CALLABLES: dict[str, Callable[[Tensor], Tensor]] = {name: functools.partial(activate, name) for name in ACTIVATIONS}
 
 
 def activation_name(activation) -> str:
-    """The fastattn activation name of ``activation``: a name from ``fastattn.ops.ffn.ACTIVATIONS``,
+    """The fastattn activation name of ``activation``: a name from ``fastattn.activations.ACTIVATIONS``,
     or one of the callables torch's layers accept for them (``F.relu``, ``torch.relu``,
     ``F.gelu``, ``F.silu``, ``nn.ReLU()``, ``nn.GELU()`` (either approximation), ``nn.SiLU()``).
     Anything else raises ValueError: the fused FFN only has these activations."""

@@ -1,19 +1,122 @@
-"""Registering fastattn's ops with torch.library: one helper for each way an op is defined.
+"""Registering fastattn's ops with torch.library, the one way every op is defined: :func:`define_op`.
 
 Every compiled op has a schema (C++ ops: csrc/fastattn.cpp; Triton ops: the annotated Python
-function), a fake implementation (output shapes for torch.compile / meta tensors) and an autograd
-formula. The C++ op ``fastattn::<op>`` and its Triton twin ``fastattn::triton_<op>`` share the
-same schema, so one fake function and one autograd formula serve both.
+launcher, checked against the C++ schema by tests/test_schemas.py), a fake implementation (output
+shapes for torch.compile / meta tensors) and an autograd formula. The C++ op
+``fastattn::<kernel>_fwd`` and its Triton twin ``fastattn::triton_<kernel>_fwd`` share the schema,
+so one fake function and one autograd formula serve both (and likewise ``_bwd``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
-from fastattn import _extension
+from fastattn import _extension, backends
 from fastattn.backends import interpreting
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The registered ops of one implementation (C++ or Triton) of an op: forward and backward
+    (None for a forward-only op)."""
+
+    fwd: Callable
+    bwd: Callable | None
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """What :func:`define_op` registered for one op: its C++ and Triton ops (None where absent)."""
+
+    op: str
+    kernel: str
+    cpp: Compiled | None
+    triton: Compiled | None
+
+
+#: Every op defined so far, by public op name (tests check the C++ and Triton schemas agree).
+DEFINED: dict[str, OpDef] = {}
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_kernels(name: str):
+    """The launcher module ``fastattn.kernels.<name>``, or None when triton is not installed."""
+    return importlib.import_module(f"fastattn.kernels.{name}") if triton_installed() else None
+
+
+def define_op(
+    op: str,
+    *,
+    kernel: str | None = None,
+    fake_fwd: Callable,
+    fake_bwd: Callable | None = None,
+    setup_context: Callable | None = None,
+    backward: Callable | None = None,
+    triton_fwd: Callable | None = None,
+    triton_bwd: Callable | None = None,
+    naive: Callable | None = None,
+    adapt: Callable[[Callable], Callable] = lambda fwd: fwd,
+    caps: dict[str, dict] | None = None,
+) -> OpDef:
+    """Register op ``op`` once for every backend.
+
+    - C++: ``fastattn::<kernel>_fwd`` (and ``_bwd`` when ``fake_bwd`` is given) from the extension,
+      with the fake impls; a missing extension leaves the cpu/cuda backends unavailable (they say
+      why), and an extension built before the op existed (stale) makes them refuse ``op`` with a
+      rebuild hint, the same way for every op.
+    - Triton (when triton is installed): the annotated launchers ``triton_fwd`` / ``triton_bwd``
+      become ``fastattn::triton_<kernel>_fwd`` / ``_bwd`` with the same fake impls.
+    - Autograd: ``backward(ops, ctx, *grads)`` with ``ops`` the :class:`Compiled` pair of the
+      implementation being differentiated, and ``setup_context``, on each forward op.
+    - Backends: ``naive`` and, wrapped by ``adapt(fwd_op)`` into the op's backend contract, the
+      C++ op for each device it has kernels for and the Triton op. ``caps`` maps a backend name to
+      its :class:`~fastattn.backends.Capability` keywords for this op.
+    """
+    kernel = kernel or op
+    caps = caps or {}
+    cpp = _define_cpp(op, kernel, fake_fwd, fake_bwd)
+    triton = None
+    if triton_fwd is not None and triton_installed():
+        triton = Compiled(
+            triton_op(f"triton_{kernel}_fwd", fake_fwd)(triton_fwd),
+            triton_op(f"triton_{kernel}_bwd", fake_bwd)(triton_bwd) if triton_bwd is not None else None,
+        )
+    for pair in (cpp, triton):
+        if pair is not None and backward is not None:
+            torch.library.register_autograd(pair.fwd, partial(backward, pair), setup_context=setup_context)
+    if naive is not None:
+        backends.register_backend(op, "naive", naive, **caps.get("naive", {}))
+    if cpp is not None:
+        for name in cpp_backends(f"{kernel}_fwd"):
+            backends.register_backend(op, name, adapt(cpp.fwd), **caps.get(name, {}))
+    if triton is not None:
+        backends.register_backend(op, "triton", adapt(triton.fwd), **caps.get("triton", {}))
+    DEFINED[op] = OpDef(op, kernel, cpp, triton)
+    return DEFINED[op]
+
+
+def _define_cpp(op: str, kernel: str, fake_fwd: Callable, fake_bwd: Callable | None) -> Compiled | None:
+    if not _extension.loaded():
+        return None
+    names = [f"{kernel}_fwd"] + ([f"{kernel}_bwd"] if fake_bwd is not None else [])
+    absent = [n for n in names if not hasattr(torch.ops.fastattn, n)]
+    if absent:
+        for name in ("cpu", "cuda"):
+            backends.note_missing(
+                op, name, f"the loaded fastattn._C was built before fastattn::{absent[0]} existed; "
+                "rebuild it: pip install --no-build-isolation --no-deps -e ."
+            )
+        return None
+    fwd = cpp_op(names[0], fake_fwd)
+    return Compiled(fwd, cpp_op(names[1], fake_bwd) if fake_bwd is not None else None)
 
 
 def triton_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:

@@ -12,33 +12,37 @@ activation in backward.
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastattn import activations as act
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, triton_op
+from fastattn.activations import ACTIVATIONS, GATED
+from fastattn.ops._library import define_op, empty_or_none, triton_kernels
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
-GATED = ("swiglu", "geglu")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+#: The elementwise function of each activation code (fastattn/activations.py), in eager PyTorch.
+_FUNCTIONS = {
+    act.GELU: F.gelu,
+    act.GELU_TANH: functools.partial(F.gelu, approximate="tanh"),
+    act.RELU: F.relu,
+    act.SILU: F.silu,
+}
 
 
 def activate(name: str, h: Tensor) -> Tensor:
     """The activation ``name`` applied to the first layer's output ``h`` (eager PyTorch)."""
-    if name in GATED:
+    a = act.lookup(name)
+    if a.gated:
         gate, up = h.chunk(2, dim=-1)
-        return (F.silu(gate) if name == "swiglu" else F.gelu(gate)) * up
-    if name == "gelu":
-        return F.gelu(h)
-    if name == "gelu_tanh":
-        return F.gelu(h, approximate="tanh")
-    if name == "relu":
-        return F.relu(h)
-    return F.silu(h)
+        return _FUNCTIONS[a.code](gate) * up
+    return _FUNCTIONS[a.code](h)
 
 
 def _naive(x, w1, b1, w2, b2, activation):
@@ -62,40 +66,23 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = (b1 is not None, b2 is not None)
 
 
-def _autograd(fwd, bwd) -> None:
-    if fwd is None:
-        return
-
-    def backward(ctx, dout, _dpre):
-        x, w1, w2, pre = ctx.saved_tensors
-        want = [ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]]
-        dx, dw1, db1, dw2, db2 = bwd(dout.contiguous(), x, w1, w2, pre, ctx.activation, want)
-        return dx, dw1, empty_or_none(db1), dw2, empty_or_none(db2), None
-
-    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+def _backward(ops, ctx, dout, _dpre):
+    x, w1, w2, pre = ctx.saved_tensors
+    want = [ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]]
+    dx, dw1, db1, dw2, db2 = ops.bwd(dout.contiguous(), x, w1, w2, pre, ctx.activation, want)
+    return dx, dw1, empty_or_none(db1), dw2, empty_or_none(db2), None
 
 
-_cpp_fwd = cpp_op("ffn_fwd", _fake_fwd)
-_cpp_bwd = cpp_op("ffn_bwd", _fake_bwd)
-_autograd(_cpp_fwd, _cpp_bwd)
+def _triton_fwd(
+    x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str
+) -> tuple[Tensor, Tensor]:
+    return _kernels.ffn_fwd(x, w1, b1, w2, b2, activation)
 
-_triton_fwd = _triton_bwd = None
-if importlib.util.find_spec("triton") is not None:
-    from fastattn.kernels import ffn as _kernels
 
-    @triton_op("triton_ffn_fwd", _fake_fwd)
-    def _triton_fwd(
-        x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str
-    ) -> tuple[Tensor, Tensor]:
-        return _kernels.ffn_fwd(x, w1, b1, w2, b2, activation)
-
-    @triton_op("triton_ffn_bwd", _fake_bwd)
-    def _triton_bwd(
-        dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, activation: str, output_mask: list[bool]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return _kernels.ffn_bwd(dout, x, w1, w2, pre, activation, output_mask)
-
-    _autograd(_triton_fwd, _triton_bwd)
+def _triton_bwd(
+    dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, activation: str, output_mask: list[bool]
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kernels.ffn_bwd(dout, x, w1, w2, pre, activation, output_mask)
 
 
 def _compiled(fwd):
@@ -105,11 +92,18 @@ def _compiled(fwd):
     return impl
 
 
-backends.register_backend("ffn", "naive", _naive)
-for _name in cpp_backends("ffn_fwd"):
-    backends.register_backend("ffn", _name, _compiled(_cpp_fwd))
-if _triton_fwd is not None:
-    backends.register_backend("ffn", "triton", _compiled(_triton_fwd))
+_kernels = triton_kernels("ffn")
+define_op(
+    "ffn",
+    fake_fwd=_fake_fwd,
+    fake_bwd=_fake_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    triton_fwd=_triton_fwd,
+    triton_bwd=_triton_bwd,
+    naive=_naive,
+    adapt=_compiled,
+)
 
 
 def ffn(

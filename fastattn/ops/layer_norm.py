@@ -9,7 +9,6 @@ for both → backend implementation ``(x, residual, normalized_shape, weight, bi
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
 from typing import Optional, Sequence
@@ -18,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, last_dim_contiguous, triton_op
+from fastattn.ops._library import define_op, empty_or_none, last_dim_contiguous, triton_kernels
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -52,60 +51,44 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _autograd(fwd, bwd) -> None:
-    if fwd is None:
-        return
-
-    def backward(ctx, dy, dh, _dmean, _drstd):
-        h, weight, mean, rstd = ctx.saved_tensors
-        want = [weight is not None and ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3]]
-        dy = last_dim_contiguous(dy)
-        dh = last_dim_contiguous(dh) if ctx.has_residual else None
-        dx, dw, db = bwd(dy, dh, h, weight, mean, rstd, ctx.rms, want)
-        db = empty_or_none(db)
-        if db is None and ctx.has_bias and weight is None and ctx.needs_input_grad[3]:
-            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # a bias without a weight
-        return dx, dx if ctx.has_residual else None, empty_or_none(dw), db, None, None
-
-    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+def _backward(ops, ctx, dy, dh, _dmean, _drstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    want = [weight is not None and ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3]]
+    dy = last_dim_contiguous(dy)
+    dh = last_dim_contiguous(dh) if ctx.has_residual else None
+    dx, dw, db = ops.bwd(dy, dh, h, weight, mean, rstd, ctx.rms, want)
+    db = empty_or_none(db)
+    if db is None and ctx.has_bias and weight is None and ctx.needs_input_grad[3]:
+        db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # a bias without a weight
+    return dx, dx if ctx.has_residual else None, empty_or_none(dw), db, None, None
 
 
 # ---------------------------------------------------------------------------------------------
-# Compiled backends: the C++ ops (cpu and cuda backends) and the Triton ops.
+# Triton launchers (schemas = the C++ ops'), the backend contract over the compiled ops, naive.
 
-_cpp_fwd = cpp_op("layer_norm_fwd", _fake_fwd)
-_cpp_bwd = cpp_op("layer_norm_bwd", _fake_bwd)
-_autograd(_cpp_fwd, _cpp_bwd)
 
-_triton_fwd = _triton_bwd = None
-if importlib.util.find_spec("triton") is not None:
-    from fastattn.kernels import layer_norm as _kernels
+def _triton_fwd(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    rms: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _kernels.layer_norm_fwd(x, residual, weight, bias, eps, rms)
 
-    @triton_op("triton_layer_norm_fwd", _fake_fwd)
-    def _triton_fwd(
-        x: Tensor,
-        residual: Optional[Tensor],
-        weight: Optional[Tensor],
-        bias: Optional[Tensor],
-        eps: float,
-        rms: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _kernels.layer_norm_fwd(x, residual, weight, bias, eps, rms)
 
-    @triton_op("triton_layer_norm_bwd", _fake_bwd)
-    def _triton_bwd(
-        dy: Tensor,
-        dh: Optional[Tensor],
-        h: Tensor,
-        weight: Optional[Tensor],
-        mean: Tensor,
-        rstd: Tensor,
-        rms: bool,
-        output_mask: list[bool],
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return _kernels.layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask)
-
-    _autograd(_triton_fwd, _triton_bwd)
+def _triton_bwd(
+    dy: Tensor,
+    dh: Optional[Tensor],
+    h: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    rms: bool,
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernels.layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask)
 
 
 def _rows(t: Tensor, n: int) -> Tensor:
@@ -147,11 +130,18 @@ def _naive(x, residual, normalized_shape, weight, bias, eps, rms):
     return y.to(x.dtype), (h if residual is not None else None)
 
 
-backends.register_backend("layer_norm", "naive", _naive)
-for _name in cpp_backends("layer_norm_fwd"):
-    backends.register_backend("layer_norm", _name, _compiled(_cpp_fwd))
-if _triton_fwd is not None:
-    backends.register_backend("layer_norm", "triton", _compiled(_triton_fwd))
+_kernels = triton_kernels("layer_norm")
+define_op(
+    "layer_norm",
+    fake_fwd=_fake_fwd,
+    fake_bwd=_fake_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    triton_fwd=_triton_fwd,
+    triton_bwd=_triton_bwd,
+    naive=_naive,
+    adapt=_compiled,
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ fully masked rows give 0. Gradients flow through autograd.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Optional
 
@@ -19,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, last_dim_contiguous, triton_op
+from fastattn.ops._library import define_op, last_dim_contiguous, triton_kernels
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -51,44 +50,34 @@ def _setup_context(ctx, inputs, output):
     ctx.float_mask = inputs[1] is not None and inputs[1].is_floating_point()
 
 
-def _autograd(fwd, bwd) -> None:
-    if fwd is None:
-        return
-
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        dy = last_dim_contiguous(dy)
-        dx = bwd(dy, y, ctx.scale)
-        # The mask enters unscaled: its gradient is the same formula with scale 1.
-        dmask = bwd(dy, y, 1.0) if ctx.float_mask and ctx.needs_input_grad[1] else None
-        return dx, dmask, None, None
-
-    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+def _backward(ops, ctx, dy):
+    (y,) = ctx.saved_tensors
+    dy = last_dim_contiguous(dy)
+    dx = ops.bwd(dy, y, ctx.scale)
+    # The mask enters unscaled: its gradient is the same formula with scale 1.
+    dmask = ops.bwd(dy, y, 1.0) if ctx.float_mask and ctx.needs_input_grad[1] else None
+    return dx, dmask, None, None
 
 
-_cpp_fwd = cpp_op("softmax_fwd", _fake_fwd)
-_cpp_bwd = cpp_op("softmax_bwd", _fake_bwd)
-_autograd(_cpp_fwd, _cpp_bwd)
+def _triton_fwd(x: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool) -> Tensor:
+    return _kernels.softmax_fwd(x, mask, scale, is_causal)
 
-_triton_fwd = _triton_bwd = None
-if importlib.util.find_spec("triton") is not None:
-    from fastattn.kernels import softmax as _kernels
 
-    @triton_op("triton_softmax_fwd", _fake_fwd)
-    def _triton_fwd(x: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool) -> Tensor:
-        return _kernels.softmax_fwd(x, mask, scale, is_causal)
+def _triton_bwd(dy: Tensor, y: Tensor, scale: float) -> Tensor:
+    return _kernels.softmax_bwd(dy, y, scale)
 
-    @triton_op("triton_softmax_bwd", _fake_bwd)
-    def _triton_bwd(dy: Tensor, y: Tensor, scale: float) -> Tensor:
-        return _kernels.softmax_bwd(dy, y, scale)
 
-    _autograd(_triton_fwd, _triton_bwd)
-
-backends.register_backend("softmax", "naive", _naive)
-for _name in cpp_backends("softmax_fwd"):
-    backends.register_backend("softmax", _name, _cpp_fwd)
-if _triton_fwd is not None:
-    backends.register_backend("softmax", "triton", _triton_fwd)
+_kernels = triton_kernels("softmax")
+define_op(
+    "softmax",
+    fake_fwd=_fake_fwd,
+    fake_bwd=_fake_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    triton_fwd=_triton_fwd,
+    triton_bwd=_triton_bwd,
+    naive=_naive,
+)
 
 
 def _as_4d(t: Tensor, shape: tuple[int, ...]) -> Tensor:

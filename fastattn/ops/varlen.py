@@ -24,15 +24,13 @@ torch.library custom op that mutates the caches; eager torch indexing, any devic
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, last_dim_contiguous, triton_op
+from fastattn.ops._library import define_op, last_dim_contiguous, triton_kernels
 from fastattn.ops.attention import _CAUSAL, _DTYPES, _naive as _naive_attention
 
 _DROPOUT_STREAM = 0x9E3779B9
@@ -124,66 +122,51 @@ def _setup_context(ctx, inputs, output):
     ctx.args = inputs[5:]
 
 
-def _autograd(fwd, bwd) -> None:
-    if fwd is None:
-        return
-
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = bwd(last_dim_contiguous(dout), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-        return (dq, dk, dv) + (None,) * 10
-
-    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+def _backward(ops, ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = ops.bwd(last_dim_contiguous(dout), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
 
 
-_cpp_fwd = cpp_op("varlen_attention_fwd", _fake_varlen_fwd)
-_cpp_bwd = cpp_op("varlen_attention_bwd", _fake_varlen_bwd)
-_autograd(_cpp_fwd, _cpp_bwd)
-_cpp_paged = cpp_op("paged_attention_fwd", _fake_paged_fwd)
-
-_triton_fwd = _triton_bwd = _triton_paged = None
-if importlib.util.find_spec("triton") is not None:
-    from fastattn.kernels import varlen as _kernels
-
-    @triton_op("triton_varlen_attention_fwd", _fake_varlen_fwd)
-    def _triton_fwd(
-        q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-        max_seqlen_q: int, max_seqlen_k: int, scale: float, bottom_right: bool, left: int,
-        right: int, dropout_p: float, seed: int,
-    ) -> tuple[Tensor, Tensor]:
-        return _kernels.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       scale, bottom_right, left, right, dropout_p, seed)
-
-    @triton_op("triton_varlen_attention_bwd", _fake_varlen_bwd)
-    def _triton_bwd(
-        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-        scale: float, bottom_right: bool, left: int, right: int, dropout_p: float, seed: int,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return _kernels.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                        max_seqlen_q, max_seqlen_k, scale, bottom_right, left,
-                                        right, dropout_p, seed)
-
-    _autograd(_triton_fwd, _triton_bwd)
-
-    @triton_op("triton_paged_attention_fwd", _fake_paged_fwd)
-    def _triton_paged(
-        q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
-        scale: float, bottom_right: bool, left: int, right: int,
-    ) -> tuple[Tensor, Tensor]:
-        return _kernels.paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale,
-                                      bottom_right, left, right)
+def _triton_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, bottom_right: bool, left: int,
+    right: int, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor]:
+    return _kernels.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   scale, bottom_right, left, right, dropout_p, seed)
 
 
-backends.register_backend("varlen_attention", "naive", _naive_varlen)
-backends.register_backend("paged_attention", "naive", _naive_paged)
-for _name in cpp_backends("varlen_attention_fwd"):
-    backends.register_backend("varlen_attention", _name, _cpp_fwd)
-for _name in cpp_backends("paged_attention_fwd"):
-    backends.register_backend("paged_attention", _name, _cpp_paged)
-if _triton_fwd is not None:
-    backends.register_backend("varlen_attention", "triton", _triton_fwd)
-    backends.register_backend("paged_attention", "triton", _triton_paged)
+def _triton_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, bottom_right: bool, left: int, right: int, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernels.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, scale, bottom_right, left,
+                                    right, dropout_p, seed)
+
+
+def _triton_paged(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
+    scale: float, bottom_right: bool, left: int, right: int,
+) -> tuple[Tensor, Tensor]:
+    return _kernels.paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale,
+                                  bottom_right, left, right)
+
+
+_kernels = triton_kernels("varlen")
+define_op(
+    "varlen_attention",
+    fake_fwd=_fake_varlen_fwd,
+    fake_bwd=_fake_varlen_bwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    triton_fwd=_triton_fwd,
+    triton_bwd=_triton_bwd,
+    naive=_naive_varlen,
+)
+define_op("paged_attention", fake_fwd=_fake_paged_fwd, triton_fwd=_triton_paged, naive=_naive_paged)
 for _op in ("varlen_attention", "paged_attention"):
     backends.note_missing(_op, "cuda", "not implemented on cuda yet (no CUDA C++ kernel; the "
                           "triton backend runs it on GPUs)")

@@ -1,0 +1,120 @@
+"""One contract per op: define_op registered every op's C++ and Triton twins with one schema, and
+the registry checks each backend's declared capability before any kernel runs."""
+
+import re
+
+import pytest
+import torch
+
+import fastattn
+from fastattn import _extension, backends
+from fastattn.ops import _library
+
+
+def _normalized(op) -> str:
+    """An op's schema without its name, in one spelling: torch infers a Triton launcher's ``int``
+    as ``SymInt`` and ``list[bool]`` as ``bool[]``, and leaves its returns unnamed."""
+    text = str(op.default._schema)
+    text = text[text.index("("):]
+    text = text.replace("SymInt", "int")
+    text = re.sub(r"bool\[\d+\]", "bool[]", text)
+    args, returns = text.split(" -> ")
+    returns = re.sub(r"(Tensor\??)\s+\w+", r"\1", returns)
+    return f"{args} -> {returns}"
+
+
+PAIRS = [
+    (op, part)
+    for op, d in sorted(_library.DEFINED.items())
+    for part in ("fwd", "bwd")
+    if d.cpp is not None and d.triton is not None and getattr(d.cpp, part) is not None
+]
+
+
+def test_every_op_is_defined_once_for_every_backend():
+    assert {"softmax", "layer_norm", "ffn", "rope", "varlen_attention", "paged_attention"} <= set(_library.DEFINED)
+    for op, d in _library.DEFINED.items():
+        assert "naive" in backends.implementations(op), op
+
+
+@pytest.mark.skipif(not _extension.loaded(), reason=str(_extension.error()))
+@pytest.mark.parametrize("op,part", PAIRS)
+def test_cpp_and_triton_ops_share_one_schema(op, part):
+    d = _library.DEFINED[op]
+    cpp = getattr(torch.ops.fastattn, f"{d.kernel}_{part}")
+    triton = getattr(torch.ops.fastattn, f"triton_{d.kernel}_{part}")
+    assert _normalized(cpp) == _normalized(triton)
+
+
+def test_schema_normalization_can_tell_schemas_apart():
+    if len(PAIRS) < 2:
+        pytest.skip("needs the extension and triton")
+    (a, pa), (b, pb) = PAIRS[0], PAIRS[1]
+    da, db = _library.DEFINED[a], _library.DEFINED[b]
+    assert _normalized(getattr(torch.ops.fastattn, f"{da.kernel}_{pa}")) != _normalized(
+        getattr(torch.ops.fastattn, f"triton_{db.kernel}_{pb}")
+    )
+
+
+def test_a_stale_extension_refuses_the_op_with_a_rebuild_hint():
+    if not _extension.loaded():
+        pytest.skip(str(_extension.error()))
+    fake = lambda x: torch.empty_like(x)  # noqa: E731
+    _library.define_op("stale_probe", kernel="stale_probe_not_in_extension", fake_fwd=fake, naive=lambda x: x * 2)
+    try:
+        with pytest.raises(ValueError, match="built before fastattn::stale_probe_not_in_extension_fwd.*rebuild"):
+            backends.select("stale_probe", torch.device("cpu"), "cpu")
+        # the automatic choice passes over it to naive
+        name, impl = backends.select("stale_probe", torch.device("cpu"))
+        assert name == "naive" and impl(torch.ones(2)).tolist() == [2.0, 2.0]
+    finally:
+        for b in backends._REGISTRY.values():
+            b.impls.pop("stale_probe", None)
+            b.missing.pop("stale_probe", None)
+            b.caps.pop("stale_probe", None)
+        _library.DEFINED.pop("stale_probe", None)
+
+
+@pytest.fixture
+def probe_backend():
+    calls = []
+
+    def impl(x, mask, scale, is_causal):
+        calls.append(x.shape)
+        return torch.softmax(x * scale, -1)
+
+    backends.register_backend("softmax", "probe", impl, devices=("cpu",), dtypes=(torch.float64,))
+    yield calls
+    del backends._REGISTRY["probe"]
+
+
+def test_select_refuses_outside_the_declared_capability_before_the_kernel(probe_backend):
+    x = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(fastattn.scaled_masked_softmax(x, backend="probe"), torch.softmax(x, -1))
+    assert len(probe_backend) == 1
+    with pytest.raises(ValueError, match="backend 'probe'.*cannot run softmax: it does not take torch.float32"):
+        fastattn.scaled_masked_softmax(x.float(), backend="probe")
+    assert len(probe_backend) == 1  # never called
+    assert backends.capability("softmax", "probe").dtypes == (torch.float64,)
+
+
+def test_limits_are_checked_with_the_call_facts():
+    seen = []
+
+    def limits(n=None, **_):
+        seen.append(n)
+        return f"rows of {n} > 4" if n is not None and n > 4 else None
+
+    backends.register_backend("limit_probe", "probe2", lambda x: x, devices=("cpu",), limits=limits)
+    try:
+        backends.select("limit_probe", torch.device("cpu"), "probe2", n=3)
+        with pytest.raises(ValueError, match="cannot run limit_probe: rows of 5 > 4"):
+            backends.select("limit_probe", torch.device("cpu"), "probe2", n=5)
+        assert seen == [3, 5]
+    finally:
+        del backends._REGISTRY["probe2"]
+
+
+def test_register_backend_wants_a_callable():
+    with pytest.raises(TypeError, match="must be callable"):
+        backends.register_backend("softmax", "probe3", None)
