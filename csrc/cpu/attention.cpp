@@ -495,26 +495,18 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
   }
 }
 
-// ISA entry points: the worker compiled for AVX-512, AVX2 and the baseline.
+// The worker for the ISA trampoline (cpu::isa_dispatch): compiled for AVX-512, AVX2 and the
+// baseline.
 template <class A, bool kStats>
-FASTATTN_TARGET_AVX512 void fwd_avx512(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
-  fwd_worker<Vec<A, 64 / sizeof(A)>, kStats>(p, next);
-}
-template <class A, bool kStats>
-FASTATTN_TARGET_AVX2 void fwd_avx2(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
-  fwd_worker<Vec<A, 32 / sizeof(A)>, kStats>(p, next);
-}
-template <class A, bool kStats>
-void fwd_default(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
-  fwd_worker<Vec<A, 16 / sizeof(A)>, kStats>(p, next);
-}
+struct FwdKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
+    fwd_worker<Vec<A, kBytes / sizeof(A)>, kStats>(p, next);
+  }
+};
 template <class A, bool kStats>
 void fwd_dispatch(const FwdArgs<A>& p, std::atomic<int64_t>& next) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return fwd_avx512<A, kStats>(p, next);
-    case cpu::Isa::kAvx2: return fwd_avx2<A, kStats>(p, next);
-    default: return fwd_default<A, kStats>(p, next);
-  }
+  cpu::isa_dispatch<FwdKernel<A, kStats>>(p, next);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -770,67 +762,31 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
   }
 }
 
-template <class A>
-FASTATTN_TARGET_AVX512 void fused_bwd_avx512(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  fused_bwd_worker<Vec<A, 64 / sizeof(A)>>(p, next);
-}
-template <class A>
-FASTATTN_TARGET_AVX2 void fused_bwd_avx2(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  fused_bwd_worker<Vec<A, 32 / sizeof(A)>>(p, next);
-}
-template <class A>
-void fused_bwd_default(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  fused_bwd_worker<Vec<A, 16 / sizeof(A)>>(p, next);
-}
+// The backward workers for the ISA trampoline (cpu::isa_dispatch).
+#define FASTATTN_BWD_KERNEL(Kernel, worker)                                        \
+  template <class A>                                                             \
+  struct Kernel {                                                                \
+    template <int kBytes>                                                        \
+    FASTATTN_INLINE static void run(const BwdArgs<A>& p, std::atomic<int64_t>& next) { \
+      worker<Vec<A, kBytes / sizeof(A)>>(p, next);                              \
+    }                                                                            \
+  };
+FASTATTN_BWD_KERNEL(FusedBwdKernel, fused_bwd_worker)
+FASTATTN_BWD_KERNEL(DkdvKernel, dkdv_worker)
+FASTATTN_BWD_KERNEL(DqKernel, dq_worker)
+#undef FASTATTN_BWD_KERNEL
+
 template <class A>
 void fused_bwd_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return fused_bwd_avx512<A>(p, next);
-    case cpu::Isa::kAvx2: return fused_bwd_avx2<A>(p, next);
-    default: return fused_bwd_default<A>(p, next);
-  }
+  cpu::isa_dispatch<FusedBwdKernel<A>>(p, next);
 }
-
-template <class A>
-FASTATTN_TARGET_AVX512 void dkdv_avx512(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  dkdv_worker<Vec<A, 64 / sizeof(A)>>(p, next);
-}
-template <class A>
-FASTATTN_TARGET_AVX2 void dkdv_avx2(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  dkdv_worker<Vec<A, 32 / sizeof(A)>>(p, next);
-}
-template <class A>
-void dkdv_default(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  dkdv_worker<Vec<A, 16 / sizeof(A)>>(p, next);
-}
-template <class A>
-FASTATTN_TARGET_AVX512 void dq_avx512(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  dq_worker<Vec<A, 64 / sizeof(A)>>(p, next);
-}
-template <class A>
-FASTATTN_TARGET_AVX2 void dq_avx2(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  dq_worker<Vec<A, 32 / sizeof(A)>>(p, next);
-}
-template <class A>
-void dq_default(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  dq_worker<Vec<A, 16 / sizeof(A)>>(p, next);
-}
-
 template <class A>
 void dkdv_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return dkdv_avx512<A>(p, next);
-    case cpu::Isa::kAvx2: return dkdv_avx2<A>(p, next);
-    default: return dkdv_default<A>(p, next);
-  }
+  cpu::isa_dispatch<DkdvKernel<A>>(p, next);
 }
 template <class A>
 void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return dq_avx512<A>(p, next);
-    case cpu::Isa::kAvx2: return dq_avx2<A>(p, next);
-    default: return dq_default<A>(p, next);
-  }
+  cpu::isa_dispatch<DqKernel<A>>(p, next);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -152,28 +152,19 @@ FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) 
   }
 }
 
+// The row kernels for the ISA trampoline (cpu::isa_dispatch): written without Vec, they are
+// auto-vectorized for each target (the width is unused).
 template <typename T>
-FASTATTN_TARGET_AVX512 void fwd_rows_avx512(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
-  fwd_rows_impl(a, r0, r1);
-}
-
-template <typename T>
-FASTATTN_TARGET_AVX2 void fwd_rows_avx2(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
-  fwd_rows_impl(a, r0, r1);
-}
-
-template <typename T>
-void fwd_rows_default(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
-  fwd_rows_impl(a, r0, r1);
-}
+struct FwdKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
+    fwd_rows_impl(a, r0, r1);
+  }
+};
 
 template <typename T>
 void fwd_rows(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return fwd_rows_avx512(a, r0, r1);
-    case cpu::Isa::kAvx2: return fwd_rows_avx2(a, r0, r1);
-    default: return fwd_rows_default(a, r0, r1);
-  }
+  cpu::isa_dispatch<FwdKernel<T>>(a, r0, r1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,29 +262,16 @@ FASTATTN_INLINE void bwd_rows_impl(const BwdArgs<T>& a, int64_t r0, int64_t r1, 
 }
 
 template <typename T>
-FASTATTN_TARGET_AVX512 void bwd_rows_avx512(const BwdArgs<T>& a, int64_t r0, int64_t r1,
-                                            acc_t<T>* pw, acc_t<T>* pb) {
-  bwd_rows_impl(a, r0, r1, pw, pb);
-}
-
-template <typename T>
-FASTATTN_TARGET_AVX2 void bwd_rows_avx2(const BwdArgs<T>& a, int64_t r0, int64_t r1,
-                                        acc_t<T>* pw, acc_t<T>* pb) {
-  bwd_rows_impl(a, r0, r1, pw, pb);
-}
-
-template <typename T>
-void bwd_rows_default(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw, acc_t<T>* pb) {
-  bwd_rows_impl(a, r0, r1, pw, pb);
-}
+struct BwdKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw, acc_t<T>* pb) {
+    bwd_rows_impl(a, r0, r1, pw, pb);
+  }
+};
 
 template <typename T>
 void bwd_rows(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw, acc_t<T>* pb) {
-  switch (cpu::cpu_isa()) {
-    case cpu::Isa::kAvx512: return bwd_rows_avx512(a, r0, r1, pw, pb);
-    case cpu::Isa::kAvx2: return bwd_rows_avx2(a, r0, r1, pw, pb);
-    default: return bwd_rows_default(a, r0, r1, pw, pb);
-  }
+  cpu::isa_dispatch<BwdKernel<T>>(a, r0, r1, pw, pb);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -183,30 +183,21 @@ FASTATTN_INLINE void softmax_bwd_rows(const BwdArgs<T>& p, int64_t r0, int64_t r
   }
 }
 
+// The row kernels for the ISA trampoline (cpu::isa_dispatch).
 template <class T>
-FASTATTN_TARGET_AVX512 void fwd_avx512(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
-  softmax_fwd_rows<T, Vec<acc_t<T>, 64 / sizeof(acc_t<T>)>>(p, r0, r1);
-}
+struct FwdKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
+    softmax_fwd_rows<T, Vec<acc_t<T>, kBytes / sizeof(acc_t<T>)>>(p, r0, r1);
+  }
+};
 template <class T>
-FASTATTN_TARGET_AVX2 void fwd_avx2(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
-  softmax_fwd_rows<T, Vec<acc_t<T>, 32 / sizeof(acc_t<T>)>>(p, r0, r1);
-}
-template <class T>
-void fwd_default(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
-  softmax_fwd_rows<T, Vec<acc_t<T>, 16 / sizeof(acc_t<T>)>>(p, r0, r1);
-}
-template <class T>
-FASTATTN_TARGET_AVX512 void bwd_avx512(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
-  softmax_bwd_rows<T, Vec<acc_t<T>, 64 / sizeof(acc_t<T>)>>(p, r0, r1);
-}
-template <class T>
-FASTATTN_TARGET_AVX2 void bwd_avx2(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
-  softmax_bwd_rows<T, Vec<acc_t<T>, 32 / sizeof(acc_t<T>)>>(p, r0, r1);
-}
-template <class T>
-void bwd_default(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
-  softmax_bwd_rows<T, Vec<acc_t<T>, 16 / sizeof(acc_t<T>)>>(p, r0, r1);
-}
+struct BwdKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(const BwdArgs<T>& p, int64_t r0, int64_t r1) {
+    softmax_bwd_rows<T, Vec<acc_t<T>, kBytes / sizeof(acc_t<T>)>>(p, r0, r1);
+  }
+};
 
 int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
@@ -234,11 +225,7 @@ at::Tensor softmax_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>&
                               static_cast<acc_t<scalar_t>>(scale), is_causal,
                               y.data_ptr<scalar_t>()};
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      switch (cpu::cpu_isa()) {
-        case cpu::Isa::kAvx512: return fwd_avx512<scalar_t>(p, r0, r1);
-        case cpu::Isa::kAvx2: return fwd_avx2<scalar_t>(p, r0, r1);
-        default: return fwd_default<scalar_t>(p, r0, r1);
-      }
+      cpu::isa_dispatch<FwdKernel<scalar_t>>(p, r0, r1);
     });
   });
   return y;
@@ -258,11 +245,7 @@ at::Tensor softmax_bwd_cpu(const at::Tensor& dy, const at::Tensor& y, double sca
                               y.const_data_ptr<scalar_t>(), rows_of(y),
                               static_cast<acc_t<scalar_t>>(scale), dx.data_ptr<scalar_t>()};
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      switch (cpu::cpu_isa()) {
-        case cpu::Isa::kAvx512: return bwd_avx512<scalar_t>(p, r0, r1);
-        case cpu::Isa::kAvx2: return bwd_avx2<scalar_t>(p, r0, r1);
-        default: return bwd_default<scalar_t>(p, r0, r1);
-      }
+      cpu::isa_dispatch<BwdKernel<scalar_t>>(p, r0, r1);
     });
   });
   return dx;

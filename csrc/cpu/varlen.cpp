@@ -349,18 +349,14 @@ FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& n
   }
 }
 
+// The paged worker for the ISA trampoline (cpu::isa_dispatch).
 template <class T>
-FASTATTN_TARGET_AVX512 void paged_avx512(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
-  paged_worker<cpu::Vec<acc_of<T>, 64 / sizeof(acc_of<T>)>, T>(p, next);
-}
-template <class T>
-FASTATTN_TARGET_AVX2 void paged_avx2(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
-  paged_worker<cpu::Vec<acc_of<T>, 32 / sizeof(acc_of<T>)>, T>(p, next);
-}
-template <class T>
-void paged_default(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
-  paged_worker<cpu::Vec<acc_of<T>, 16 / sizeof(acc_of<T>)>, T>(p, next);
-}
+struct PagedKernel {
+  template <int kBytes>
+  FASTATTN_INLINE static void run(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
+    paged_worker<cpu::Vec<acc_of<T>, kBytes / sizeof(acc_of<T>)>, T>(p, next);
+  }
+};
 
 template <class T>
 void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -388,11 +384,7 @@ void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hkv * splits));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    switch (cpu::cpu_isa()) {
-      case cpu::Isa::kAvx512: return paged_avx512<T>(p, next);
-      case cpu::Isa::kAvx2: return paged_avx2<T>(p, next);
-      default: return paged_default<T>(p, next);
-    }
+    cpu::isa_dispatch<PagedKernel<T>>(p, next);
   });
 
   // Merge the splits: M = max_s m_s, l = sum_s l_s exp(m_s - M), O = sum_s O_s exp(m_s - M) / l.

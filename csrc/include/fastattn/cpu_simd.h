@@ -29,6 +29,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #if defined(__GNUC__) || defined(__clang__)
 #define FASTATTN_INLINE inline __attribute__((always_inline))
@@ -85,6 +86,34 @@ inline Isa cpu_isa() {
 
 inline const char* isa_name(Isa isa) {
   return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "default";
+}
+
+// The one ISA trampoline every CPU kernel goes through. A kernel is a struct with
+//
+//   template <int kBytes> FASTATTN_INLINE static void run(args...);
+//
+// written once over the vector width kBytes (64: AVX-512, 32: AVX2, 16: the baseline; a kernel
+// takes Vec<A, kBytes / sizeof(A)>). isa_dispatch<Kernel>(args...) calls the instantiation
+// compiled for the ISA cpu_isa() chose, inside a function carrying that target attribute.
+template <class Kernel, class... Args>
+FASTATTN_TARGET_AVX512 void isa_avx512(Args&&... args) {
+  Kernel::template run<64>(std::forward<Args>(args)...);
+}
+template <class Kernel, class... Args>
+FASTATTN_TARGET_AVX2 void isa_avx2(Args&&... args) {
+  Kernel::template run<32>(std::forward<Args>(args)...);
+}
+template <class Kernel, class... Args>
+void isa_default(Args&&... args) {
+  Kernel::template run<16>(std::forward<Args>(args)...);
+}
+template <class Kernel, class... Args>
+void isa_dispatch(Args&&... args) {
+  switch (cpu_isa()) {
+    case Isa::kAvx512: return isa_avx512<Kernel>(std::forward<Args>(args)...);
+    case Isa::kAvx2: return isa_avx2<Kernel>(std::forward<Args>(args)...);
+    default: return isa_default<Kernel>(std::forward<Args>(args)...);
+  }
 }
 
 // Vector widths (in floats) of the three instantiations.
