@@ -12,7 +12,7 @@ MyLayerNorm(nn.LayerNorm): pass``); it then gets a class deriving from both, so
 ``isinstance`` checks against the subclass still hold (such a model pickles only as a
 state_dict; models of torch's own classes pickle whole).
 
-Hugging Face transformers (:mod:`fastattn.hf`): :func:`register_hf` registers ``"fastattn"`` in
+Hugging Face transformers (:mod:`fastattn.integrations.hf`): :func:`register_hf` registers ``"fastattn"`` in
 ``transformers.AttentionInterface`` (and a matching mask builder), so that
 ``AutoModel.from_config(config, attn_implementation="fastattn")`` runs fastattn's attention;
 :func:`swap` on a transformers model also swaps its RMSNorms, MLPs and rotary embedding (found
@@ -32,8 +32,8 @@ from torch import Tensor
 from fastattn.nn.attention import MultiheadAttention
 from fastattn.nn.norm import LayerNorm, RMSNorm
 from fastattn.nn.transformer import TransformerDecoderLayer, TransformerEncoderLayer, activation_name
-from fastattn import hf
-from fastattn.hf import hf_attention_forward, register_hf
+from fastattn.integrations import hf
+from fastattn.integrations.hf import hf_attention_forward, register_hf
 
 __all__ = ["SwapEntry", "SwapReport", "hf_attention_forward", "register_hf", "swap", "unswap"]
 
@@ -159,7 +159,7 @@ def swap(
     fast path, which would bypass fastattn, is turned off). Returns a :class:`SwapReport`;
     :func:`unswap` undoes it.
 
-    In a Hugging Face transformers model (see :mod:`fastattn.hf`) also: its RMSNorms
+    In a Hugging Face transformers model (see :mod:`fastattn.integrations.hf`) also: its RMSNorms
     (``layer_norm``), gated and plain MLPs (``ffn``: one fused :func:`fastattn.ffn` on the same
     Parameters), rotary embedding (``rope``: :func:`fastattn.rope` on the model's own tables), and
     its ``attn_implementation`` set to fastattn's (``attention``).

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fastattn import backends, reference_rope
-from fastattn.ops.rope import RotaryEmbedding, rope, rotary_cos_sin
+from fastattn.nn import RotaryEmbedding
+from fastattn.ops.rope import rope, rotary_cos_sin
 from fastattn.testing import (
     assert_close_to_reference,
     assert_op_matches_reference,

@@ -1,1 +1,1 @@
-"""Adapters with other libraries' argument orders and conventions."""
+"""Old home of the adapters to other libraries: see :mod:`fastattn.integrations`."""

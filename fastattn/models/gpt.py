@@ -12,7 +12,7 @@ from fastattn.models.config import GPTConfig
 from fastattn.nn.ffn import FeedForward
 from fastattn.nn.norm import LayerNorm
 from fastattn.ops.attention import attention
-from fastattn.ops.rope import RotaryEmbedding
+from fastattn.nn.rope import RotaryEmbedding
 from fastattn.ops.varlen import paged_attention, paged_cache_append, varlen_attention
 
 __all__ = ["GPT", "KVCache", "PagedKVCache"]
@@ -82,7 +82,7 @@ class CausalSelfAttention(torch.nn.Module):
     """Causal multi-head self-attention: ``c_attn`` (fused q, k, v projection), fastattn's
     attention, ``c_proj``. With a cache the new queries attend every cached key
     (``causal="bottom_right"``). With ``config.pos == "rotary"`` the queries and keys are rotated
-    (:class:`fastattn.ops.rope.RotaryEmbedding`) at their positions before the cache stores them."""
+    (:class:`fastattn.nn.RotaryEmbedding`) at their positions before the cache stores them."""
 
     def __init__(self, config: GPTConfig, backend: str | None = None, device=None, dtype=None):
         super().__init__()

@@ -5,7 +5,7 @@ from fastattn.nn.ffn import FeedForward
 from fastattn.nn.norm import LayerNorm, RMSNorm
 from fastattn.nn.softmax import ScaledMaskedSoftmax
 from fastattn.nn.transformer import TransformerDecoderLayer, TransformerEncoderLayer
-from fastattn.ops.rope import RotaryEmbedding
+from fastattn.nn.rope import RotaryEmbedding
 
 __all__ = [
     "FeedForward",

@@ -22,16 +22,15 @@ outside [0, P) gives NaN for that token. Gradients flow through autograd.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, last_dim_contiguous, triton_op
+from fastattn.ops._library import define_op, last_dim_contiguous, triton_kernels
 
-__all__ = ["RotaryEmbedding", "rope", "rotary_cos_sin"]
+__all__ = ["rope", "rotary_cos_sin"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -147,55 +146,31 @@ def _table_grads(dy, x, cos, positions, interleaved, inverse):
     return dcos, dsin
 
 
-def _autograd(fwd) -> None:
-    if fwd is None:
-        return
-
-    def backward(ctx, dy):
-        cos, sin, positions, x = ctx.saved_tensors
-        dy = last_dim_contiguous(dy)
-        dx = dcos = dsin = None
-        if ctx.needs_input_grad[0]:
-            # The rotation is orthogonal: its gradient is the inverse rotation of dy.
-            dx = fwd(dy, cos, sin, positions, ctx.interleaved, not ctx.inverse)
-        if x is not None:
-            dcos, dsin = _table_grads(dy, x, cos, positions, ctx.interleaved, ctx.inverse)
-        return dx, dcos, dsin, None, None, None
-
-    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+def _backward(ops, ctx, dy):
+    cos, sin, positions, x = ctx.saved_tensors
+    dy = last_dim_contiguous(dy)
+    dx = dcos = dsin = None
+    if ctx.needs_input_grad[0]:
+        # The rotation is orthogonal: its gradient is the inverse rotation of dy.
+        dx = ops.fwd(dy, cos, sin, positions, ctx.interleaved, not ctx.inverse)
+    if x is not None:
+        dcos, dsin = _table_grads(dy, x, cos, positions, ctx.interleaved, ctx.inverse)
+    return dx, dcos, dsin, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
 # Compiled backends: the C++ op (cpu and cuda backends) and the Triton op.
 
 
-def _has_cpp_op(name: str) -> bool:
-    """Whether the loaded extension defines ``fastattn::<name>`` (an extension built before the op
-    was added does not; the op's cpu/cuda backends are then simply absent)."""
-    from fastattn import _extension
-
-    return _extension.loaded() and hasattr(torch.ops.fastattn, name)
-
-
-_cpp_fwd = cpp_op("rope_fwd", _fake_fwd) if _has_cpp_op("rope_fwd") else None
-_autograd(_cpp_fwd)
-
-_triton_fwd = None
-if importlib.util.find_spec("triton") is not None:
-    from fastattn.kernels import rope as _kernels
-
-    @triton_op("triton_rope_fwd", _fake_fwd)
-    def _triton_fwd(
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        positions: Optional[Tensor],
-        interleaved: bool,
-        inverse: bool,
-    ) -> Tensor:
-        return _kernels.rope_fwd(x, cos, sin, positions, interleaved, inverse)
-
-    _autograd(_triton_fwd)
+def _triton_fwd(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Optional[Tensor],
+    interleaved: bool,
+    inverse: bool,
+) -> Tensor:
+    return _kernels.rope_fwd(x, cos, sin, positions, interleaved, inverse)
 
 
 def _compiled(fwd):
@@ -205,12 +180,16 @@ def _compiled(fwd):
     return impl
 
 
-backends.register_backend("rope", "naive", _naive)
-if _cpp_fwd is not None:
-    for _name in cpp_backends("rope_fwd"):
-        backends.register_backend("rope", _name, _compiled(_cpp_fwd))
-if _triton_fwd is not None:
-    backends.register_backend("rope", "triton", _compiled(_triton_fwd))
+_kernels = triton_kernels("rope")
+define_op(
+    "rope",
+    fake_fwd=_fake_fwd,
+    setup_context=_setup_context,
+    backward=_backward,
+    triton_fwd=_triton_fwd,
+    naive=_naive,
+    adapt=_compiled,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,66 +307,10 @@ def rope(
     return impl(x, cos, sin, positions, bool(interleaved))
 
 
-# ---------------------------------------------------------------------------------------------
-# Module.
+def __getattr__(name: str):
+    # RotaryEmbedding moved to fastattn.nn (its home with the other modules); the old path works.
+    if name == "RotaryEmbedding":
+        from fastattn.nn.rope import RotaryEmbedding
 
-
-class RotaryEmbedding(torch.nn.Module):
-    """Applies :func:`rope` with cached cos/sin tables (non-persistent buffers ``cos``, ``sin``).
-
-    ``dim`` is the head dim D. The tables cover positions ``0 .. max_seq_len - 1`` and grow on
-    demand for calls by ``offset``; with an explicit ``positions`` tensor on the GPU, positions
-    must stay below ``max_seq_len`` (they are not checked there, see :func:`rope`). The tables
-    stay float32 (float64 inputs get exact float64 tables per call), whatever ``module.to(dtype)``
-    does to the buffers.
-
-    Typical use in attention (``q``, ``k`` (B, H, L, D); ``start`` = tokens already cached)::
-
-        q, k = rotary(q, offset=start), rotary(k, offset=start)
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        max_seq_len: int = 2048,
-        base: float = 10000.0,
-        *,
-        interleaved: bool = False,
-        backend: str | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.dim = dim
-        self.base = float(base)
-        self.interleaved = interleaved
-        self.backend = backend
-        cos, sin = rotary_cos_sin(max_seq_len, dim, self.base, device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def extra_repr(self) -> str:
-        return (f"dim={self.dim}, max_seq_len={self.cos.shape[0]}, base={self.base:g}, "
-                f"interleaved={self.interleaved}")
-
-    def _ensure(self, length: int) -> None:
-        """Tables covering ``length`` positions, in float32 (``module.to(torch.bfloat16)`` casts
-        floating-point buffers too; bfloat16 tables would cost the rotation its precision)."""
-        n = self.cos.shape[0]
-        if length > n or self.cos.dtype != torch.float32:
-            n = max(length, 2 * n) if length > n else n
-            self.cos, self.sin = rotary_cos_sin(n, self.dim, self.base, self.cos.device)
-
-    def forward(self, x: Tensor, *, offset: int = 0, positions: Tensor | None = None) -> Tensor:
-        """``rope(x)`` at positions ``offset + l`` (or ``positions``) with the cached tables."""
-        if isinstance(x, Tensor) and x.dtype == torch.float64:
-            # float64 inputs get exact float64 tables, computed for this call.
-            return rope(x, positions=positions, offset=offset, base=self.base,
-                        interleaved=self.interleaved, backend=self.backend)
-        if positions is None:
-            self._ensure(offset + x.shape[-2])
-        elif positions.device.type != "cuda" and positions.numel() > 0:
-            self._ensure(int(positions.max()) + 1)
-        else:
-            self._ensure(0)
-        return rope(x, self.cos, self.sin, positions=positions, offset=offset,
-                    interleaved=self.interleaved, backend=self.backend)
+        return RotaryEmbedding
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
