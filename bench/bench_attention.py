@@ -1,6 +1,6 @@
 """Attention: every fastattn backend available here, naive, torch SDPA (default and each kernel forced), FlexAttention and torch.compile(naive) (GPU).
 
-Cases from fastattn.bench_suites (the same as `fastattn bench --op attention`); see bench/conftest.py.
+Cases from fastattn.bench.suites (the same as `fastattn bench --op attention`); see bench/conftest.py.
 """
 
 import pytest

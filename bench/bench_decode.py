@@ -1,6 +1,6 @@
 """Paged KV-cache decoding: fastattn backends, naive and SDPA on a padded contiguous cache, at cache lengths 1k-32k and batch 1-64 (GPU).
 
-Cases from fastattn.bench_suites (the same as `fastattn bench --op decode`); see bench/conftest.py.
+Cases from fastattn.bench.suites (the same as `fastattn bench --op decode`); see bench/conftest.py.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """FFN Linear -> GELU -> Linear: fastattn backends, naive, eager torch, its torch.compile (GPU) and the bare matmuls (the floor).
 
-Cases from fastattn.bench_suites (the same as `fastattn bench --op ffn`); see bench/conftest.py.
+Cases from fastattn.bench.suites (the same as `fastattn bench --op ffn`); see bench/conftest.py.
 """
 
 import pytest

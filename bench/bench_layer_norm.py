@@ -1,6 +1,6 @@
 """Layer norm: fastattn backends, naive, F.layer_norm and torch.compile(naive) (GPU).
 
-Cases from fastattn.bench_suites (the same as `fastattn bench --op layer_norm`); see bench/conftest.py.
+Cases from fastattn.bench.suites (the same as `fastattn bench --op layer_norm`); see bench/conftest.py.
 """
 
 import pytest

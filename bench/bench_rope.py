@@ -12,7 +12,7 @@ position — the peer the ``x torch`` speedup is measured against; on a GPU also
 decode step (L = 1, every sequence at its own position, read from a 4096-row table). Throughput is
 GB/s of the minimum traffic (x read, y written; twice that forward + backward).
 
-The cases are defined here by ``rope_suite`` (the signature of ``fastattn.bench_suites`` suites);
+The cases are defined here by ``rope_suite`` (the signature of ``fastattn.bench.suites`` suites);
 timing goes through ``run_bench`` of bench/conftest.py like every other bench file.
 """
 
@@ -25,9 +25,10 @@ from typing import Callable
 import pytest
 import torch
 
-from fastattn import bench, reference_rope
+from fastattn import bench
+from fastattn.reference import rope as reference_rope
 from fastattn.bench import Case
-from fastattn.bench_suites import Options, compiled, fastattn_backends
+from fastattn.bench.suites import Options, compiled, fastattn_backends
 from fastattn.ops.rope import rope, rotary_cos_sin
 from fastattn.testing import to_numpy
 
@@ -64,7 +65,7 @@ def eager_rope(x, cos, sin, positions):
 
 
 def rope_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
-    """``(providers, cases)`` for RoPE on ``device`` (a ``fastattn.bench_suites`` suite)."""
+    """``(providers, cases)`` for RoPE on ``device`` (a ``fastattn.bench.suites`` suite)."""
     o = options or Options()
     preset = "tiny" if o.tiny else ("gpu" if device.type == "cuda" else "cpu")
     use_compile = o.compile if o.compile is not None else (device.type == "cuda" and not o.tiny)

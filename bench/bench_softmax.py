@@ -1,6 +1,6 @@
 """Scaled masked softmax: fastattn backends, naive, the composite torch.softmax(x * scale + mask) and its torch.compile (GPU).
 
-Cases from fastattn.bench_suites (the same as `fastattn bench --op softmax`); see bench/conftest.py.
+Cases from fastattn.bench.suites (the same as `fastattn bench --op softmax`); see bench/conftest.py.
 """
 
 import pytest

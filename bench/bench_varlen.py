@@ -1,6 +1,6 @@
 """Packed variable-length attention: fastattn backends, naive, SDPA on padded tensors (pad, SDPA, unpad) and SDPA per sequence, at mixed lengths.
 
-Cases from fastattn.bench_suites (the same as `fastattn bench --op varlen`); see bench/conftest.py.
+Cases from fastattn.bench.suites (the same as `fastattn bench --op varlen`); see bench/conftest.py.
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""pytest-benchmark suites over the cases of ``fastattn.bench_suites`` — the same cases, providers
+"""pytest-benchmark suites over the cases of ``fastattn.bench.suites`` — the same cases, providers
 and sizes as ``fastattn bench`` on this device.
 
     python -m pytest bench/ --benchmark-only                 # the device's default grid
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fastattn import bench
-from fastattn.bench_suites import SUITES, Options
+from fastattn.bench.suites import SUITES, Options
 
 DEVICE = torch.device(os.environ.get("FASTATTN_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
 HERE = os.path.dirname(os.path.abspath(__file__))

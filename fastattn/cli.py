@@ -79,7 +79,7 @@ def _run_bench(args) -> int:
     import time
 
     from fastattn import bench
-    from fastattn.bench_suites import SUITES, Options
+    from fastattn.bench.suites import SUITES, Options
 
     start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, extension and backends")
-    from fastattn.bench_suites import MASKS, MODES, SUITES
+    from fastattn.bench.suites import MASKS, MODES, SUITES
 
     b = sub.add_parser(
         "bench", help="time fastattn against naive and PyTorch, side by side",

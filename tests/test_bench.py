@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastattn import bench, cli
-from fastattn.bench_suites import REFERENCE_MAX_ELEMENTS, SUITES, Options, attention_flops, attention_suite
+from fastattn.bench.suites import REFERENCE_MAX_ELEMENTS, SUITES, Options, attention_flops, attention_suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV_KEYS = {"device", "device_type", "torch", "triton", "python", "date", "commit", "peaks", "backends"}

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import fastattn
-from fastattn import backends, extending, reference_rope
+from fastattn import backends, extending
+from fastattn.reference import rope as reference_rope
 from fastattn.ops.rope import rope
 from fastattn.testing import (
     ODD_HEAD_DIMS,

@@ -1,4 +1,4 @@
-"""fastattn.models (Transformer, GPT) against their NumPy forwards (fastattn.reference_models)."""
+"""fastattn.models (Transformer, GPT) against their NumPy forwards (fastattn.reference.models)."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fastattn
-from fastattn import reference_models
+from fastattn.reference import models as reference_models
 from fastattn.models import GPT, GPTConfig, KVCache, Transformer, TransformerConfig
 from fastattn.testing import assert_close_to_reference
 

@@ -1,5 +1,5 @@
 """Rotary position embedding (fastattn.rope) on every backend, against the float64 NumPy reference
-(fastattn.reference_rope) and finite differences; opcheck, torch.compile, the module.
+(fastattn.reference.rope) and finite differences; opcheck, torch.compile, the module.
 
 Shapes stay small: on a CPU-only machine the triton backend runs under the Triton interpreter.
 """
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastattn import backends, reference_rope
+from fastattn import backends
+from fastattn.reference import rope as reference_rope
 from fastattn.nn import RotaryEmbedding
 from fastattn.ops.rope import rope, rotary_cos_sin
 from fastattn.testing import (

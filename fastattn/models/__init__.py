@@ -1,7 +1,7 @@
 """Reference models built from fastattn's modules: the encoder-decoder :class:`Transformer` of
 "Attention Is All You Need" and the decoder-only :class:`GPT` (with a KV cache).
 
-Their float64 NumPy forwards, the ground truth in the tests, are in :mod:`fastattn.reference_models`.
+Their float64 NumPy forwards, the ground truth in the tests, are in :mod:`fastattn.reference.models`.
 """
 
 from fastattn.models.config import GPTConfig, TransformerConfig

@@ -4,7 +4,7 @@ This op is the worked example of ``docs/extending.md``. It follows the pattern o
 kernel (``kernels/rope.py``, ``csrc/cpu/rope.cpp``, ``csrc/cuda/rope.cu``) → registered op
 ``fastattn::rope_fwd`` (C++) or ``fastattn::triton_rope_fwd`` (Triton), one schema, with one fake
 impl and one autograd formula for both → backend implementations → :func:`rope` →
-:class:`RotaryEmbedding`. The float64 ground truth is :mod:`fastattn.reference_rope`.
+:class:`RotaryEmbedding`. The float64 ground truth is :mod:`fastattn.reference.rope`.
 
 Convention: the GPT-NeoX / Hugging Face LLaMA ``rotate_half`` pairs ``(i, i + D/2)`` by default,
 GPT-J's interleaved pairs ``(2i, 2i + 1)`` with ``interleaved=True``; pair ``i`` of the token at

@@ -577,7 +577,7 @@ class ModelAux:
 
 
 def model_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
-    from fastattn import reference_models
+    from fastattn.reference import models as reference_models
     from fastattn.models import GPT, GPTConfig
 
     o = _options(options, device)
