@@ -53,6 +53,9 @@ class Backend:
     impls: dict[str, Callable] = field(default_factory=dict)
     dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
     missing: dict[str, str] = field(default_factory=dict)
+    # op -> optional features it supports (e.g. "jvp": forward-mode AD), and why others are absent
+    features: dict[str, set[str]] = field(default_factory=dict)
+    missing_features: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 def interpreting() -> bool:
@@ -119,6 +122,24 @@ def note_missing(op: str, name: str, reason: str) -> None:
     _REGISTRY[name].missing[op] = reason
 
 
+def register_feature(op: str, name: str, feature: str) -> None:
+    """Declare that backend ``name``'s ``op`` supports ``feature`` (e.g. ``"jvp"``, forward-mode
+    AD), which :func:`select` may be asked for."""
+    _REGISTRY[name].features.setdefault(op, set()).add(feature)
+
+
+def note_missing_feature(op: str, name: str, feature: str, reason: str) -> None:
+    """Record why backend ``name``'s ``op`` lacks ``feature``, for the error of :func:`select`."""
+    _REGISTRY[name].missing_features[(op, feature)] = reason
+
+
+def _lacks(b: Backend, op: str, needs: tuple[str, ...]) -> str | None:
+    for feature in needs:
+        if feature not in b.features.get(op, ()):
+            return b.missing_features.get((op, feature), f"it does not support {feature} for {op}")
+    return None
+
+
 def implementations(op: str) -> list[str]:
     """Names of the backends (available here or not) that implement ``op``."""
     return [name for name, b in _REGISTRY.items() if op in b.impls]
@@ -167,12 +188,18 @@ def _requested() -> tuple[str | None, str]:
 
 
 def select(
-    op: str, device: torch.device, backend: str | None = None, dtype: torch.dtype | None = None
+    op: str,
+    device: torch.device,
+    backend: str | None = None,
+    dtype: torch.dtype | None = None,
+    needs: tuple[str, ...] = (),
 ) -> tuple[str, Callable]:
     """The backend name and implementation of ``op`` for inputs on ``device`` of ``dtype``.
 
     The automatic choice passes over backends that do not take ``dtype`` (float64 on the GPU
-    backends goes to ``naive``), logging that once at debug level.
+    backends goes to ``naive``) or lack a feature in ``needs`` (e.g. ``"jvp"``: forward-mode
+    AD), logging that once at debug level; a backend named explicitly that lacks one is a
+    ValueError.
     """
     name, source = (backend, "backend=") if backend is not None else _requested()
     if name is not None:
@@ -184,8 +211,11 @@ def select(
             problem = f"it does not run on {device.type} tensors"
         if problem is None and dtype is not None and dtype not in b.dtypes:
             problem = f"it does not take {dtype}"
+        if problem is None:
+            problem = _lacks(b, op, needs)
         if problem:
-            usable = [n for n in available_backends() if _supports(n, op, device)]
+            usable = [n for n in available_backends()
+                      if _supports(n, op, device) and _lacks(_REGISTRY[n], op, needs) is None]
             raise ValueError(
                 f"backend {name!r} (from {source}) cannot run {op}: {problem}; "
                 f"backends that can: {usable}"
@@ -196,9 +226,10 @@ def select(
         b = _REGISTRY[name]
         if b.unavailable() is None and op in b.impls:
             best = best or name
-            if dtype is None or dtype in b.dtypes:
+            if (dtype is None or dtype in b.dtypes) and _lacks(b, op, needs) is None:
                 if name != best:
-                    log_fallback_once(op, best, name, f"{best} does not take {dtype}")
+                    why = _lacks(_REGISTRY[best], op, needs) or f"it does not take {dtype}"
+                    log_fallback_once(op, best, name, why)
                 return name, b.impls[op]
     raise ValueError(f"no backend can run {op} on {device.type} tensors")
 
