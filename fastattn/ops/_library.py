@@ -45,8 +45,9 @@ def cpp_op(name: str, fake: Callable) -> Callable | None:
 
 
 def cpp_backends(name: str) -> list[str]:
-    """The backends (``cpu``, ``cuda``) for which the extension has a kernel of ``fastattn::<name>``."""
-    if not _extension.loaded():
+    """The backends (``cpu``, ``cuda``) for which the extension has a kernel of ``fastattn::<name>``
+    (none when the extension, e.g. one built from older sources, does not define the op)."""
+    if not _extension.loaded() or not hasattr(torch.ops.fastattn, name):
         return []
     keys = (("cpu", "CPU"), ("cuda", "CUDA"))
     return [b for b, key in keys if torch._C._dispatch_has_kernel_for_dispatch_key(f"fastattn::{name}", key)]

@@ -1,0 +1,244 @@
+"""Forward-mode AD (JVP) and double backward through fastattn.attention (issue 18).
+
+float64 gradcheck (with check_forward_ad) and gradgradcheck on the cpu and naive backends for
+every mask kind, the band, GQA and fully masked rows; the fused JVP kernels (cpu, and triton
+under the interpreter) against the NumPy float64 reference; torch.func.jvp under vmap, jacfwd,
+and the refusal of a backend without a JVP kernel. Shapes are tiny.
+"""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import fastattn
+from fastattn import backends, reference
+from fastattn.testing import to_numpy
+
+from conftest import backend_params
+
+JVP_BACKENDS = [p for p in backend_params("attention") if p.values[0] in ("cpu", "naive", "triton")]
+F64_BACKENDS = [p for p in JVP_BACKENDS if p.values[0] in ("cpu", "naive")]
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _mask(kind, B, H, Lq, Lk, dtype, g):
+    """(mask, causal, window) for a mask kind; float masks want gradients and tangents."""
+    if kind == "none":
+        return None, False, None
+    if kind == "bool":
+        m = torch.rand(B, H, Lq, Lk, generator=g) > 0.3
+        m[..., 0] = True
+        return m, False, None
+    if kind == "float":
+        m = torch.randn(1, H, Lq, Lk, generator=g, dtype=torch.float64).to(dtype)
+        m[..., 1, 2] = float("-inf")
+        return m.requires_grad_(), False, None
+    if kind == "causal":
+        return None, True, None
+    if kind == "bottom_right":
+        return None, "bottom_right", None
+    if kind == "window":
+        return None, False, (2, 1)
+    if kind == "padding":  # key padding (B, 1, 1, Lk)
+        keep = torch.arange(Lk)[None, :] < torch.tensor([Lk, 3][:B])[:, None]
+        return keep.view(B, 1, 1, Lk), False, None
+    if kind == "dead-rows":  # rows 0 and 3 attend nothing
+        m = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+        m[:, :, 0] = False
+        m[:, :, 3] = False
+        return m, False, None
+    raise ValueError(kind)
+
+
+def _qkv(B, H, Hkv, Lq, Lk, D, Dv, dtype, g):
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
+    return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, Dv)
+
+
+MASKS = ["none", "bool", "float", "causal", "bottom_right", "window", "padding", "dead-rows"]
+# every mask kind with one head per kv head; GQA with the kinds whose gradients it reshapes
+GRADCHECK_CASES = [(kind, False) for kind in MASKS] + [("float", True), ("causal", True), ("padding", True)]
+
+
+@pytest.mark.parametrize("backend,device", F64_BACKENDS)
+@pytest.mark.parametrize("kind,gqa", GRADCHECK_CASES, ids=lambda x: x if isinstance(x, str) else ("gqa" if x else "mha"))
+def test_gradcheck_forward_ad_and_double_backward(backend, device, kind, gqa, one_thread):
+    B, H, Hkv, Lq, Lk, D, Dv = 2, 2, 1 if gqa else 2, 5, 6, 3, 2
+    g = _gen(hash((kind, gqa)) % 1000)
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, Dv, torch.float64, g)
+    mask, causal, window = _mask(kind, B, H, Lq, Lk, torch.float64, g)
+
+    def f(q, k, v, *m):
+        return fastattn.attention(q, k, v, m[0] if m else mask, causal=causal, window=window,
+                                  enable_gqa=gqa, backend=backend)
+
+    inputs = (q, k, v) + ((mask,) if kind == "float" else ())
+    # fast_mode: the Jacobians projected on random vectors (every entry takes part), not built
+    assert torch.autograd.gradcheck(f, inputs, check_forward_ad=True, check_batched_grad=False, fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, inputs, fast_mode=True)
+    if kind == "dead-rows":  # tangent 0 (not NaN) on the rows that attend nothing
+        tangents = tuple(torch.randn_like(t) for t in inputs)
+        _, tout = torch.func.jvp(f, tuple(t.detach() for t in inputs), tangents)
+        assert torch.isfinite(tout).all() and (tout[:, :, [0, 3]] == 0).all()
+
+
+@pytest.mark.parametrize("backend,device", F64_BACKENDS)
+def test_gradcheck_with_dropout_and_lse(backend, device, one_thread):
+    """Dropout as in the forward (same keep-mask), and the lse output: its tangent and its
+    reverse-mode gradient (the fused backends take the differentiable backward for it)."""
+    B, H, Lq, Lk, D = 1, 2, 5, 7, 3
+    g = _gen(3)
+    q, k, v = _qkv(B, H, H, Lq, Lk, D, D, torch.float64, g)
+    m = torch.randn(B, H, Lq, Lk, generator=g, dtype=torch.float64).requires_grad_()
+
+    def f(q, k, v, m):
+        return fastattn.attention(q, k, v, m, causal=True, dropout_p=0.3, seed=11, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, m), check_forward_ad=True, check_batched_grad=False,
+                                    fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, (q, k, v, m), fast_mode=True)
+
+    def lse_of(q, k, v, m):  # float32 statistics: compared to naive's, not gradchecked
+        return fastattn.attention(q, k, v, m, causal=True, return_lse=True, backend=backend)[1]
+
+    tq, tk, tv, tm = (torch.randn_like(t) for t in (q, k, v, m))
+    _, tlse = torch.func.jvp(lse_of, (q, k, v, m), (tq, tk, tv, tm))
+    _, ref = reference.attention_jvp(to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(m), to_numpy(tq),
+                                     to_numpy(tk), to_numpy(tv), to_numpy(tm), causal=True)
+    torch.testing.assert_close(tlse.double(), torch.from_numpy(ref), rtol=1e-5, atol=1e-5)
+    w = torch.randn(B, H, Lq, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((lse_of(q, k, v, m).double() * w).sum(), (q, k, m))
+    lse_n = fastattn.attention(q, k, v, m, causal=True, return_lse=True, backend="naive")[1]
+    expect = torch.autograd.grad((lse_n.double() * w).sum(), (q, k, m))
+    for a, b in zip(grads, expect):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# (B, H, Hkv, Lq, Lk, D, Dv, mask kind, dropout_p)
+KERNEL_CASES = [
+    (1, 2, 2, 17, 17, 16, 16, "float", 0.0),
+    (2, 2, 1, 9, 17, 40, 24, "padding", 0.0),    # MQA, D != Dv
+    (1, 4, 2, 33, 17, 16, 16, "causal", 0.25),   # GQA, dropout
+    (1, 2, 2, 20, 20, 16, 16, "window", 0.0),
+    (1, 1, 1, 9, 9, 16, 16, "dead-rows", 0.0),
+]
+
+
+@pytest.mark.parametrize("backend,device", JVP_BACKENDS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}x{c[4]}-{c[7]}-p{c[8]}")
+def test_fused_jvp_matches_the_float64_reference(backend, device, case, one_thread):
+    B, H, Hkv, Lq, Lk, D, Dv, kind, p = case
+    g = _gen(7)
+    q, k, v = (t.detach().to(device) for t in _qkv(B, H, Hkv, Lq, Lk, D, Dv, torch.float32, g))
+    mask, causal, window = _mask(kind, B, H, Lq, Lk, torch.float32, g)
+    mask = None if mask is None else mask.detach().to(device)
+    primals = [q, k, v] + ([mask] if kind == "float" else [])
+    tangents = [torch.randn(t.shape, generator=g).to(device) for t in primals]
+
+    def f(q, k, v, *m):
+        return fastattn.attention(q, k, v, m[0] if m else mask, causal=causal, window=window,
+                                  dropout_p=p, seed=5, enable_gqa=H != Hkv, return_lse=True,
+                                  backend=backend)
+
+    (out, lse), (tout, tlse) = torch.func.jvp(f, tuple(primals), tuple(tangents))
+    tm = to_numpy(tangents[3]) if kind == "float" else None
+    ref_out, ref_lse = reference.attention_jvp(
+        *(to_numpy(t) for t in (q, k, v)), None if mask is None else mask.cpu().numpy(),  # bool stays bool
+        *(to_numpy(t) for t in tangents[:3]), tm, causal=causal, window=window, dropout_p=p,
+        seed=5, enable_gqa=H != Hkv)
+    torch.testing.assert_close(tout.cpu().double(), torch.from_numpy(ref_out), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(tlse.cpu().double(), torch.from_numpy(ref_lse), rtol=2e-4, atol=2e-4)
+    # the primal is the forward's, and forward_ad (dual tensors) gives the same tangent
+    torch.testing.assert_close(out, f(*primals)[0])
+    if kind != "float":
+        return
+    with fwAD.dual_level():
+        dual = [fwAD.make_dual(x, t) for x, t in zip(primals, tangents)]
+        tout2 = fwAD.unpack_dual(f(*dual)[0]).tangent
+    torch.testing.assert_close(tout2, tout)
+
+
+@pytest.mark.parametrize("backend,device", JVP_BACKENDS)
+def test_jvp_under_vmap_and_jacfwd(backend, device, one_thread):
+    B, H, Lq, Lk, D = 1, 1, 4, 6, 4
+    g = _gen(9)
+    q, k, v = (t.detach().to(device) for t in _qkv(B, H, H, Lq, Lk, D, D, torch.float32, g))
+
+    def f(q, k, v):
+        return fastattn.attention(q, k, v, causal="bottom_right", backend=backend)
+
+    tq = torch.randn(3, *q.shape, generator=g).to(device)
+    tv = torch.randn(3, *v.shape, generator=g).to(device)
+    batched = torch.func.vmap(lambda a, b: torch.func.jvp(f, (q, k, v), (a, torch.zeros_like(k), b))[1])(tq, tv)
+    for i in range(3):
+        one = torch.func.jvp(f, (q, k, v), (tq[i], torch.zeros_like(k), tv[i]))[1]
+        torch.testing.assert_close(batched[i], one, rtol=1e-5, atol=1e-5)
+    # jacfwd (vmap of jvp over the basis) equals jacrev
+    small = lambda q: f(q, k, v)[:, :, :2]  # noqa: E731
+    torch.testing.assert_close(torch.func.jacfwd(small)(q), torch.func.jacrev(small)(q),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,device", [p for p in JVP_BACKENDS if p.values[0] != "naive"])
+def test_double_backward_matches_naive(backend, device, one_thread):
+    """create_graph=True through the fused backward (the differentiable pieces), float32."""
+    B, H, Lq, Lk, D = 1, 2, 7, 9, 8
+    g = _gen(4)
+    q, k, v = (t.detach().to(device).requires_grad_() for t in _qkv(B, H, 1, Lq, Lk, D, D, torch.float32, g))
+    w = torch.randn(B, H, Lq, D, generator=g).to(device)
+
+    def hvp(bk):
+        out = fastattn.attention(q, k, v, causal=True, window=(3, None), enable_gqa=True, backend=bk)
+        gq, gk, gv = torch.autograd.grad((out * w).sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad((gq.square().sum() + (gk * gv[..., :D]).sum()), (q, k, v))
+
+    for a, b in zip(hvp(backend), hvp("naive")):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_sdpa_and_nn_modules_take_jvp(one_thread):
+    """torch.func.jvp through scaled_dot_product_attention and a fastattn.nn module equals the
+    naive backend's (torch's own forward AD)."""
+    g = _gen(2)
+    x = torch.randn(2, 5, 16, generator=g)
+    tx = torch.randn(2, 5, 16, generator=g)
+    mha = fastattn.nn.MultiheadAttention(16, 2, batch_first=True)
+    params = dict(mha.named_parameters())
+    tangents = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+
+    def run(x, params):
+        return torch.func.functional_call(mha, params, (x, x, x), kwargs={"need_weights": False})[0]
+
+    got = torch.func.jvp(run, (x, params), (tx, tangents))
+    with fastattn.use_backend("naive"):
+        want = torch.func.jvp(run, (x, params), (tx, tangents))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    q, k, v = (torch.randn(3, 2, 4, 8, generator=g) for _ in range(3))
+    f = lambda q: fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    t = torch.randn(q.shape, generator=g)
+    sdpa = lambda q: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = torch.func.jvp(sdpa, (q,), (t,))
+    torch.testing.assert_close(torch.func.jvp(f, (q,), (t,)), want, rtol=1e-4, atol=1e-5)
+
+
+def test_backend_without_jvp_is_refused():
+    """Forward mode on a backend without a JVP kernel is a ValueError from backend selection
+    (the cuda backend's case), and the automatic choice passes over it."""
+    name = "test_jvp_less"
+    backends.register_backend("attention", name, lambda *a: (_ for _ in ()).throw(AssertionError("ran")),
+                              devices=("cpu",))
+    backends.note_missing_feature("attention", name, "jvp", "it has no forward-mode AD (JVP) kernel")
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match="test_jvp_less.*no forward-mode AD"):
+        torch.func.jvp(lambda q: fastattn.attention(q, q, q, backend=name), (q,), (q,))
+    with pytest.raises(ValueError, match="test_jvp_less.*no forward-mode AD"):
+        backends.select("attention", q.device, name, q.dtype, needs=("jvp",))
+    assert backends.select("attention", q.device, None, q.dtype, needs=("jvp",))[0] != name
+    for b in backends.implementations("attention"):
+        if b in ("cuda",):
+            assert "jvp" not in backends._REGISTRY[b].features.get("attention", ())
