@@ -259,3 +259,28 @@ def test_docs_examples_run(capsys, one_thread):
     losses = [float(x) for x in re.findall(r"loss (\S+)", capsys.readouterr().out)]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert all(h.shape == t.shape and torch.isfinite(h).all() for h, t in zip(namespace["hvp"], (namespace["q"],) * 3))
+
+
+def _jvp_ops():
+    params = []
+    for name, backend in (("attention_jvp", "cpu"), ("triton_attention_jvp", "triton")):
+        overload = getattr(torch.ops.fastattn, name, None)
+        if overload is not None and "jvp" in backends._REGISTRY[backend].features.get("attention", ()):
+            params.append(pytest.param(overload.default, "cuda" if torch.cuda.is_available() and backend == "triton"
+                                       else "cpu", id=name))
+    return params
+
+
+@pytest.mark.parametrize("op,device", _jvp_ops())
+def test_opcheck_jvp_ops(op, device, one_thread):
+    """The JVP ops are real custom ops: schema, fake impl and eager agree (opcheck); their vmap
+    rule (the vmapped dim folded into the batch) equals a loop, absent tangents included."""
+    g = _gen(1)
+    q, k, v = (torch.randn(*s, generator=g).to(device) for s in ((1, 2, 5, 16), (1, 1, 7, 16), (1, 1, 7, 16)))
+    mask = torch.randn(1, 1, 5, 7, generator=g).to(device).expand(1, 2, 5, 7)
+    tq, tk, tv, tm = (torch.randn(t.shape, generator=g).to(device) for t in (q, k, v, mask))
+    torch.library.opcheck(op, (q, k, v, mask, tq, tk, tv, tm, 0.25, 2, 3, 0, 0.0, 0))
+    tvs = torch.randn(3, *v.shape, generator=g).to(device)
+    batched = torch.vmap(lambda t: op(q, k, v, mask, None, None, t, None, 0.25, 2, 3, 0, 0.0, 0)[0])(tvs)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], op(q, k, v, mask, None, None, tvs[i], None, 0.25, 2, 3, 0, 0.0, 0)[0])

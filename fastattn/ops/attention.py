@@ -418,14 +418,8 @@ for _name in cpp_backends("attention_fwd"):
     _COMPILED[_name] = (_cpp_fwd, _cpp_bwd, _cpp_jvp if _name in cpp_backends("attention_jvp") else None)
 if _triton_fwd is not None:
     _COMPILED["triton"] = (_triton_fwd, _triton_bwd, _triton_jvp)
-for _ops in _COMPILED.values():
-    for _op in _ops:
-        if _op is not None and not getattr(_op, "_fastattn_vmap", False):
-            _fold_vmap_rule(_op)
-            try:
-                _op._fastattn_vmap = True
-            except AttributeError:
-                pass
+for _op in {id(op): op for ops in _COMPILED.values() for op in ops if op is not None}.values():
+    _fold_vmap_rule(_op)  # once per op (cpu and cuda share the C++ ops)
 
 backends.register_backend("attention", "naive", _naive)
 backends.register_feature("attention", "naive", "jvp")
