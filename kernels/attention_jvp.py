@@ -27,8 +27,6 @@ Limits: as the forward (float16 / bfloat16 / float32, head dims up to 256, offse
 (batch, head) slice in int32).
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +43,31 @@ _JVP_CONFIGS = _configs(
     [(64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1)],
     (16, 16, 4, 1),
 )
+
+# Live tile values per thread the JVP may hold without spilling on sm_90: two accumulators
+# (BM x DV), q and q' (BM x D, 16-bit: half a register each), and S / S' / P / P S' (two
+# BM x BN at a time). Measured with Triton 3.9 (python -m fastattn.aot --case jvp): bf16 D128
+# 64x32 w4 (224) holds, 64x64 w4 (256) spills 60 B.
+_JVP_VALUES_PER_THREAD = 224
+
+
+def _jvp_live_values(c, block_d, block_dv, elem_bytes):
+    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+    half = elem_bytes / 4
+    return (2 * bm * block_dv + 2 * bm * bn + 2 * bm * block_d * half) / (32 * c.num_warps)
+
+
+def _prune_jvp(configs, named_args, **kwargs):
+    """The forward's pruning (kernels.attention._prune on the pointer path) of the configs
+    within the JVP's own register budget (:data:`_JVP_VALUES_PER_THREAD`)."""
+    args = {**named_args, **kwargs}
+    elem = args["Q"].element_size()
+
+    def live(c):
+        return _jvp_live_values(c, args["BLOCK_D"], args["BLOCK_DV"], elem)
+
+    fits = [c for c in configs if live(c) <= _JVP_VALUES_PER_THREAD] or [min(configs, key=live)]
+    return _prune(fits, named_args, kernel="fwd", **{**kwargs, "USE_TMA": False})
 
 
 @triton.jit
@@ -99,10 +122,7 @@ def _jvp_tile(acc_o, acc_t, m_i, l_i, ls_i, q, tq, k_base, tk_base, v_base, tv_b
 @triton.autotune(configs=_JVP_CONFIGS,
                  key=["lq_bucket", "lk_bucket", "HEAD_DIM", "HEAD_DIM_V", "HAS_MASK", "HAS_TQ",
                       "HAS_TK", "HAS_TV", "HAS_TMASK", "LO_BOUNDED", "HI_BOUNDED", "HAS_DROPOUT"],
-                 # the forward's register budget (the JVP holds one more accumulator and S'
-                 # tile: its configs are smaller), on the pointer path
-                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="fwd",
-                                                                           USE_TMA=False)})
+                 prune_configs_by={"early_config_prune": _prune_jvp})
 @triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_jvp_kernel(
     Q, K, V, TQ, TK, TV, Mask, TMask, TOut, TLse,
