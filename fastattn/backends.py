@@ -134,9 +134,13 @@ def note_missing_feature(op: str, name: str, feature: str, reason: str) -> None:
 
 
 def _lacks(b: Backend, op: str, needs: tuple[str, ...]) -> str | None:
+    """Why ``b`` cannot give ``op`` a feature of ``needs``, or None. A backend registered by a
+    user that declares nothing about a feature is trusted with it (its own autograd decides)."""
     for feature in needs:
-        if feature not in b.features.get(op, ()):
-            return b.missing_features.get((op, feature), f"it does not support {feature} for {op}")
+        if (op, feature) in b.missing_features:
+            return b.missing_features[(op, feature)]
+        if b.name in BUILTIN and feature not in b.features.get(op, ()):
+            return f"it does not support {feature} for {op}"
     return None
 
 

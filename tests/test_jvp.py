@@ -239,6 +239,12 @@ def test_backend_without_jvp_is_refused():
     with pytest.raises(ValueError, match="test_jvp_less.*no forward-mode AD"):
         backends.select("attention", q.device, name, q.dtype, needs=("jvp",))
     assert backends.select("attention", q.device, None, q.dtype, needs=("jvp",))[0] != name
+    # a user's backend that declares nothing is trusted with forward mode (its autograd decides)
+    backends.register_backend("attention", "test_jvp_plain", backends._REGISTRY["naive"].impls["attention"],
+                              devices=("cpu",))
+    plain = lambda q: fastattn.attention(q, q, q, backend="test_jvp_plain")  # noqa: E731
+    torch.testing.assert_close(torch.func.jvp(plain, (q,), (q,)),
+                               torch.func.jvp(lambda q: fastattn.attention(q, q, q, backend="naive"), (q,), (q,)))
     for b in backends.implementations("attention"):
         if b in ("cuda",):
             assert "jvp" not in backends._REGISTRY[b].features.get("attention", ())
