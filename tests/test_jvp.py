@@ -290,3 +290,26 @@ def test_opcheck_jvp_ops(op, device, one_thread):
     batched = torch.vmap(lambda t: op(q, k, v, mask, None, None, t, None, 0.25, 2, 3, 0, 0.0, 0)[0])(tvs)
     for i in range(3):
         torch.testing.assert_close(batched[i], op(q, k, v, mask, None, None, tvs[i], None, 0.25, 2, 3, 0, 0.0, 0)[0])
+
+
+@pytest.mark.parametrize("backend,device", [p for p in JVP_BACKENDS if p.values[0] != "naive"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_jvp_16bit_within_twice_naives_error(backend, device, dtype, one_thread):
+    """16-bit inputs: the fused JVP's error against the float64 reference (of the same rounded
+    inputs) is at most twice the naive backend's (torch's forward AD, float32 inside) + slack."""
+    from fastattn.testing import assert_close_to_reference
+
+    B, H, Hkv, Lq, Lk, D = 1, 4, 2, 19, 23, 32
+    g = _gen(12)
+    q, k, v = (t.detach().to(device) for t in _qkv(B, H, Hkv, Lq, Lk, D, D, dtype, g))
+    m = (torch.randn(1, 1, Lq, Lk, generator=g) * 0.5).to(device, dtype)
+    prim = (q, k, v, m)
+    tang = tuple(torch.randn(t.shape, generator=g).to(device, dtype) for t in prim)
+
+    def run(bk):
+        f = lambda q, k, v, m: fastattn.attention(q, k, v, m, causal=True, enable_gqa=True, backend=bk)  # noqa: E731
+        return torch.func.jvp(f, prim, tang)[1]
+
+    ref, _ = reference.attention_jvp(*(to_numpy(t) for t in prim), *(to_numpy(t) for t in tang),
+                                     causal=True, enable_gqa=True)
+    assert_close_to_reference(run(backend), ref, baseline=run("naive"), name="tangent")
