@@ -313,3 +313,17 @@ def test_fused_jvp_16bit_within_twice_naives_error(backend, device, dtype, one_t
     ref, _ = reference.attention_jvp(*(to_numpy(t) for t in prim), *(to_numpy(t) for t in tang),
                                      causal=True, enable_gqa=True)
     assert_close_to_reference(run(backend), ref, baseline=run("naive"), name="tangent")
+
+
+@pytest.mark.parametrize("backend,device", [p for p in F64_BACKENDS if p.values[0] != "naive"])
+def test_hessian_transforms_match_naive(backend, device, one_thread):
+    """torch.func.hessian (jacfwd of jacrev: the JVP of the backward) and jacrev of jacrev."""
+    g = _gen(8)
+    q, k, v, w = (torch.randn(1, 2, 4, 3, generator=g, dtype=torch.float64) for _ in range(4))
+
+    def hessians(bk):
+        f = lambda q, k: (fastattn.attention(q, k, v, causal=True, backend=bk) * w).sum()  # noqa: E731
+        return torch.func.hessian(f, argnums=(0, 1))(q, k), torch.func.jacrev(torch.func.jacrev(f))(q, k)
+
+    for a, b in zip(torch.utils._pytree.tree_leaves(hessians(backend)), torch.utils._pytree.tree_leaves(hessians("naive"))):
+        torch.testing.assert_close(a, b)

@@ -176,18 +176,22 @@ def _setup_context(ctx, inputs, output):
     ctx.float_mask = mask is not None and mask.is_floating_point()
 
 
+def _fused_grads(bwd, dout, saved, args, need_dmask):
+    """dq, dk, dv, dmask (None unless ``need_dmask``) by a backend's fused backward op;
+    ``saved`` = (q, k, v, out, lse, mask) of the forward."""
+    q, k, v, out, lse, mask = saved
+    dq, dk, dv, dmask = bwd(last_dim_contiguous(dout), q, k, v, out, lse, mask, *args, need_dmask)
+    dmask = empty_or_none(dmask)
+    return dq, dk, dv, None if dmask is None else dmask.to(mask.dtype)
+
+
 def _autograd(fwd, bwd) -> None:
     if fwd is None:
         return
 
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, mask = ctx.saved_tensors
         need_dmask = ctx.float_mask and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask = bwd(last_dim_contiguous(dout), q, k, v, out, lse, mask, *ctx.args, need_dmask)
-        dmask = empty_or_none(dmask)
-        if dmask is not None:
-            dmask = dmask.to(mask.dtype)
-        return dq, dk, dv, dmask, None, None, None, None, None, None
+        return (*_fused_grads(bwd, dout, ctx.saved_tensors, ctx.args, need_dmask), *(None,) * 6)
 
     torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
 
@@ -393,12 +397,7 @@ class _Attention(torch.autograd.Function):
         create = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask))
         if create or dlse is not None:
             return (*_differentiable_backward(q, k, v, mask, ctx.args, dout, dlse, needs), *none)
-        bwd = ctx.ops[0]
-        dq, dk, dv, dmask = bwd(last_dim_contiguous(dout), q, k, v, out, lse, mask, *ctx.args, needs[3])
-        dmask = empty_or_none(dmask)
-        if dmask is not None:
-            dmask = dmask.to(mask.dtype)
-        return (dq, dk, dv, dmask, *none)
+        return (*_fused_grads(ctx.ops[0], dout, ctx.saved_tensors, ctx.args, needs[3]), *none)
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, tmask, *_):
