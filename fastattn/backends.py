@@ -140,7 +140,8 @@ def _lacks(b: Backend, op: str, needs: tuple[str, ...]) -> str | None:
         if (op, feature) in b.missing_features:
             return b.missing_features[(op, feature)]
         if b.name in BUILTIN and feature not in b.features.get(op, ()):
-            return f"it does not support {feature} for {op}"
+            what = {"jvp": "forward-mode AD (JVP)"}.get(feature, feature)
+            return f"it has no {what} for {op}"
     return None
 
 

@@ -327,3 +327,27 @@ def test_hessian_transforms_match_naive(backend, device, one_thread):
 
     for a, b in zip(torch.utils._pytree.tree_leaves(hessians(backend)), torch.utils._pytree.tree_leaves(hessians("naive"))):
         torch.testing.assert_close(a, b)
+
+
+def test_other_ops_take_forward_mode_on_naive(one_thread):
+    """layer_norm, ffn, softmax and rope have no JVP kernel: under forward mode the automatic
+    choice takes their naive backend (torch's forward AD), a named compiled backend is refused;
+    so fastattn.nn.TransformerEncoderLayer (fused attention, naive norms and FFN) takes
+    torch.func.jvp and equals torch's layer on its math SDPA (its default CPU kernel has no
+    forward AD)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = _gen(6)
+    torch.manual_seed(6)
+    layer = fastattn.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    ref = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    ref.load_state_dict(layer.state_dict())
+    x, t = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    got = torch.func.jvp(layer, (x,), (t,))
+    with sdpa_kernel(SDPBackend.MATH):
+        want = torch.func.jvp(ref, (x,), (t,))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for name, f in (("layer_norm", lambda x: fastattn.layer_norm(x, (16,), backend="cpu")),
+                    ("softmax", lambda x: fastattn.scaled_masked_softmax(x, backend="cpu"))):
+        with pytest.raises(ValueError, match=f"cannot run {name}: it has no forward-mode AD"):
+            torch.func.jvp(f, (x,), (t,))

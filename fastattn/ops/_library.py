@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from fastattn import _extension
 from fastattn.backends import interpreting
@@ -62,3 +63,15 @@ def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 def empty_or_none(t: torch.Tensor) -> torch.Tensor | None:
     """Ops return empty tensors for outputs that were not asked for; autograd wants None."""
     return None if t.numel() == 0 else t
+
+
+def forward_ad_needs(*tensors: torch.Tensor | None) -> tuple[str, ...]:
+    """``("jvp",)`` when forward-mode AD is on for any of ``tensors`` (a dual tensor of
+    torch.autograd.forward_ad, an input of torch.func.jvp / jacfwd), else ``()``: what
+    ``backends.select(..., needs=...)`` is asked for, so that a backend without forward mode for
+    the op is refused (named) or passed over (automatic choice). Never under torch.compile."""
+    if torch.compiler.is_compiling():
+        return ()
+    if any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
+        return ("jvp",)
+    return ()

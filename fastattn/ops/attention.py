@@ -24,13 +24,14 @@ import importlib.util
 import math
 from typing import Optional
 
-import torch.autograd.forward_ad as fwAD
 
 import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, last_dim_contiguous, triton_op
+from fastattn.ops._library import (
+    cpp_backends, cpp_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_op,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CAUSAL = (False, True, "top_left", "bottom_right")
@@ -430,14 +431,6 @@ for _name, (_fwd, _, _jvp) in _COMPILED.items():
         backends.note_missing_feature("attention", _name, "jvp", "it has no forward-mode AD (JVP) kernel")
 
 
-def _has_tangent(*tensors) -> bool:
-    """Whether forward-mode AD is on for any of ``tensors`` (a dual tensor of
-    torch.autograd.forward_ad, or an input of torch.func.jvp / jacfwd)."""
-    if torch.compiler.is_compiling():
-        return False
-    return any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors)
-
-
 # ---------------------------------------------------------------------------------------------
 # Public functions.
 
@@ -529,7 +522,7 @@ def attention(
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
     query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
-    needs = ("jvp",) if _has_tangent(query, key, value, mask) else ()
+    needs = forward_ad_needs(query, key, value, mask)
     name, impl = backends.select("attention", query.device, backend, query.dtype, needs=needs)
     args = (scale, offset, left, right, float(dropout_p), int(seed or 0))
     compiled = _COMPILED.get(name)

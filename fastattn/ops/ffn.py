@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, triton_op
+from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, forward_ad_needs, triton_op
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
 GATED = ("swiglu", "geglu")
@@ -106,6 +106,7 @@ def _compiled(fwd):
 
 
 backends.register_backend("ffn", "naive", _naive)
+backends.register_feature("ffn", "naive", "jvp")  # forward-mode AD: torch's own
 for _name in cpp_backends("ffn_fwd"):
     backends.register_backend("ffn", _name, _compiled(_cpp_fwd))
 if _triton_fwd is not None:
@@ -153,6 +154,6 @@ def ffn(
         raise ValueError(f"b1 has shape {list(b1.shape)}, expected [{w1.shape[0]}]")
     if b2 is not None and tuple(b2.shape) != (w2.shape[0],):
         raise ValueError(f"b2 has shape {list(b2.shape)}, expected [{w2.shape[0]}]")
-    _, impl = backends.select("ffn", x.device, backend, x.dtype)
+    _, impl = backends.select("ffn", x.device, backend, x.dtype, needs=forward_ad_needs(x, w1, b1, w2, b2))
     out = impl(x.reshape(-1, d).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2, activation)
     return out.view(*x.shape[:-1], w2.shape[0])

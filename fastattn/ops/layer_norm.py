@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, last_dim_contiguous, triton_op
+from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -148,6 +148,7 @@ def _naive(x, residual, normalized_shape, weight, bias, eps, rms):
 
 
 backends.register_backend("layer_norm", "naive", _naive)
+backends.register_feature("layer_norm", "naive", "jvp")  # forward-mode AD: torch's own
 for _name in cpp_backends("layer_norm_fwd"):
     backends.register_backend("layer_norm", _name, _compiled(_cpp_fwd))
 if _triton_fwd is not None:
@@ -188,7 +189,8 @@ def _check(x, residual, normalized_shape, weight, bias) -> tuple[int, ...]:
 
 def _run(x, residual, normalized_shape, weight, bias, eps, rms, backend):
     shape = _check(x, residual, normalized_shape, weight, bias)
-    _, impl = backends.select("layer_norm", x.device, backend, x.dtype)
+    _, impl = backends.select("layer_norm", x.device, backend, x.dtype,
+                              needs=forward_ad_needs(x, residual, weight, bias))
     return impl(x, residual, shape, weight, bias, float(eps), rms)
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, last_dim_contiguous, triton_op
+from fastattn.ops._library import cpp_backends, cpp_op, forward_ad_needs, last_dim_contiguous, triton_op
 
 __all__ = ["RotaryEmbedding", "rope", "rotary_cos_sin"]
 
@@ -206,6 +206,7 @@ def _compiled(fwd):
 
 
 backends.register_backend("rope", "naive", _naive)
+backends.register_feature("rope", "naive", "jvp")  # forward-mode AD: torch's own
 if _cpp_fwd is not None:
     for _name in cpp_backends("rope_fwd"):
         backends.register_backend("rope", _name, _compiled(_cpp_fwd))
@@ -324,7 +325,7 @@ def rope(
         cos, sin = cos.to(acc).contiguous(), sin.to(acc).contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    _, impl = backends.select("rope", x.device, backend, x.dtype)
+    _, impl = backends.select("rope", x.device, backend, x.dtype, needs=forward_ad_needs(x, cos, sin))
     return impl(x, cos, sin, positions, bool(interleaved))
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, last_dim_contiguous, triton_op
+from fastattn.ops._library import cpp_backends, cpp_op, forward_ad_needs, last_dim_contiguous, triton_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -85,6 +85,7 @@ if importlib.util.find_spec("triton") is not None:
     _autograd(_triton_fwd, _triton_bwd)
 
 backends.register_backend("softmax", "naive", _naive)
+backends.register_feature("softmax", "naive", "jvp")  # forward-mode AD: torch's own
 for _name in cpp_backends("softmax_fwd"):
     backends.register_backend("softmax", _name, _cpp_fwd)
 if _triton_fwd is not None:
@@ -136,5 +137,5 @@ def scaled_masked_softmax(
     x4 = _as_4d(x, shape)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
-    _, impl = backends.select("softmax", x.device, backend, x.dtype)
+    _, impl = backends.select("softmax", x.device, backend, x.dtype, needs=forward_ad_needs(x4, mask))
     return impl(x4, mask, float(scale), bool(is_causal)).view(shape)
