@@ -351,3 +351,20 @@ def test_other_ops_take_forward_mode_on_naive(one_thread):
                     ("softmax", lambda x: fastattn.scaled_masked_softmax(x, backend="cpu"))):
         with pytest.raises(ValueError, match=f"cannot run {name}: it has no forward-mode AD"):
             torch.func.jvp(f, (x,), (t,))
+
+
+@pytest.mark.parametrize("backend,device", F64_BACKENDS)
+def test_vmap_of_grad_equals_a_loop(backend, device, one_thread):
+    """Per-sample gradients (vmap of torch.func.grad) and a vmapped forward."""
+    g = _gen(10)
+    q, k, v = (torch.randn(3, 1, 2, 8, 4, generator=g) for _ in range(3))
+
+    def loss(q, k, v):
+        return fastattn.attention(q, k, v, causal=True, backend=backend).square().sum()
+
+    batched = torch.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for i in range(3):
+        for a, b in zip(batched, torch.func.grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i])):
+            torch.testing.assert_close(a[i], b)
+    out = torch.vmap(lambda q, k, v: fastattn.attention(q, k, v, backend=backend))(q, k, v)
+    torch.testing.assert_close(out[1], fastattn.attention(q[1], k[1], v[1], backend=backend))

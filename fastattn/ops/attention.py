@@ -102,7 +102,10 @@ def _pairwise(a, b, sel):
 def _all_finite(*tensors) -> bool:
     if torch.compiler.is_compiling():
         return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    try:
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+    except RuntimeError:  # under torch.func.vmap no data-dependent branch: as under compile
+        return True
 
 
 def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed, row0=0):
@@ -127,7 +130,8 @@ def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed, row0=0):
     # would), forward or backward. Matmuls do meet them: when an operand is not all finite the
     # products are formed pairwise, masked first (O(Lq * Lk * D) memory; one reduction per check,
     # a synchronization on a GPU). Under torch.compile the check (a data-dependent branch) is
-    # skipped: compiled naive takes the matmuls, which hold the rule for finite inputs only.
+    # skipped: compiled naive takes the matmuls, which hold the rule for finite inputs only; so
+    # does naive under torch.func.vmap, where the check cannot run.
     sel = allowed.unsqueeze(-1)
     if _all_finite(q, k):
         s = (q @ k.transpose(-1, -2)) * scale
