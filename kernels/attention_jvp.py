@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import tuning
 from .attention import (
-    _LN2, _LOG2E, _band, _check_inputs, _configs, _dot, _dot_precision, _dropout_args,
+    _LOG2E, _band, _check_inputs, _configs, _dot, _dot_precision, _dropout_args,
     _head_block, _key_tiles, _load_rows, _mask_args, _prune, _query_block, _scores,
     _unit_last_stride,
 )
