@@ -3,7 +3,7 @@
 # make aot:   the Hopper compile gate, quick (CI): Triton kernels compiled for sm_90 with the GPU
 #             image's Triton, in a venv of its own; make aot-full: every config the pruners keep.
 PY ?= python3
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/include/*/*.h)
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/include/*/*.h)
 
 # The Triton version of the GPU image (docs/benchmarking.md): the gate compiles with it.
 AOT_TRITON ?= 3.6.0

@@ -35,6 +35,13 @@ TORCH_LIBRARY(fastattn, m) {
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? mask, float scale, int offset, int left, int right, float dropout_p, int seed, "
       "bool need_dmask) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  // Forward-mode AD: the tangents tout (B, H, Lq, Dv) in q's dtype and tlse (B, H, Lq) float32
+  // of (out, lse) along the tangents tq, tk, tv (shaped like q, k, v) and tmask (a view like
+  // mask, of its floating dtype); an absent tangent is zero.
+  m.def(
+      "attention_jvp(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? tq, Tensor? tk, "
+      "Tensor? tv, Tensor? tmask, float scale, int offset, int left, int right, float dropout_p, "
+      "int seed) -> (Tensor tout, Tensor tlse)");
   // Packed variable-length sequences: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv,
   // Dv); sequence b is rows cu_seqlens_q[b]..cu_seqlens_q[b+1] (int32, (batch + 1,)). The band of
   // each sequence uses its own lengths: offset Lk_b - Lq_b when bottom_right, else 0; left / right

@@ -73,8 +73,25 @@ class Backend:
     dtypes: tuple[torch.dtype, ...] = _ALL_DTYPES
     missing: dict[str, str] = field(default_factory=dict)
     caps: dict[str, Capability] = field(default_factory=dict)
+    # op -> optional features it supports (e.g. "jvp": forward-mode AD), and why others are absent
+    features: dict[str, set[str]] = field(default_factory=dict)
+    missing_features: dict[tuple[str, str], str] = field(default_factory=dict)
 
-    def refuses(self, op: str, device: torch.device, dtype: torch.dtype | None, facts: dict) -> str | None:
+    def lacks(self, op: str, needs: tuple[str, ...]) -> str | None:
+        """Why this backend cannot give ``op`` a feature of ``needs``, or None. A backend
+        registered by a user that declares nothing about a feature is trusted with it (its own
+        autograd decides)."""
+        for feature in needs:
+            if (op, feature) in self.missing_features:
+                return self.missing_features[(op, feature)]
+            if self.name in BUILTIN and feature not in self.features.get(op, ()):
+                what = {"jvp": "forward-mode AD (JVP)"}.get(feature, feature)
+                return f"it has no {what} for {op}"
+        return None
+
+    def refuses(
+        self, op: str, device: torch.device, dtype: torch.dtype | None, facts: dict, needs: tuple[str, ...] = ()
+    ) -> str | None:
         """Why this backend cannot run ``op`` on these inputs, or None when it can."""
         cap = self.caps.get(op, Capability())
         problem = self.missing.get(op) or self.unavailable()
@@ -86,7 +103,7 @@ class Backend:
             problem = f"it does not take {dtype}"
         if problem is None and cap.limits is not None:
             problem = cap.limits(**facts)
-        return problem
+        return problem or self.lacks(op, needs)
 
 
 def interpreting() -> bool:
@@ -143,6 +160,7 @@ def register_backend(
     devices: tuple[str, ...] | None = None,
     dtypes: tuple[torch.dtype, ...] | None = None,
     limits: Callable[..., str | None] | None = None,
+    features: tuple[str, ...] = (),
 ) -> None:
     """Make ``fn`` the implementation of ``op`` for backend ``name``.
 
@@ -151,6 +169,7 @@ def register_backend(
     registration, usable on ``devices`` (default cuda and cpu). ``devices``, ``dtypes`` and
     ``limits`` declare what this implementation takes (see :class:`Capability`); left None they
     are the backend's own. :func:`select` refuses a call outside them before ``fn`` is called.
+    ``features`` names the optional features ``fn`` supports (``"jvp"``: forward-mode AD).
     """
     if not callable(fn):
         raise TypeError(f"the implementation of {op!r} for backend {name!r} must be callable, got {type(fn).__name__}")
@@ -159,6 +178,19 @@ def register_backend(
     backend.caps[op] = Capability(
         tuple(dtypes) if dtypes is not None else None, tuple(devices) if devices is not None else None, limits
     )
+    for feature in features:
+        register_feature(op, name, feature)
+
+
+def register_feature(op: str, name: str, feature: str) -> None:
+    """Declare that backend ``name``'s ``op`` supports ``feature`` (e.g. ``"jvp"``, forward-mode
+    AD), which :func:`select` may be asked for."""
+    _REGISTRY[name].features.setdefault(op, set()).add(feature)
+
+
+def note_missing_feature(op: str, name: str, feature: str, reason: str) -> None:
+    """Record why backend ``name``'s ``op`` lacks ``feature``, for the error of :func:`select`."""
+    _REGISTRY[name].missing_features[(op, feature)] = reason
 
 
 def capability(op: str, name: str) -> Capability:
@@ -224,10 +256,12 @@ def select(
     device: torch.device,
     backend: str | None = None,
     dtype: torch.dtype | None = None,
+    needs: tuple[str, ...] = (),
     **facts,
 ) -> tuple[str, Callable]:
     """The backend name and implementation of ``op`` for inputs on ``device`` of ``dtype``.
 
+    ``needs`` names optional features the call needs (``"jvp"`` under forward-mode AD).
     ``facts`` describe the call for the backends' declared limits (e.g. ``head_dim=``). A
     backend named explicitly (argument, context, environment) that cannot take the call raises
     ValueError naming the reason and the backends that can. The automatic choice passes over
@@ -237,9 +271,9 @@ def select(
     name, source = (backend, "backend=") if backend is not None else _requested()
     if name is not None:
         b = _check_name(name)
-        problem = b.refuses(op, device, dtype, facts)
+        problem = b.refuses(op, device, dtype, facts, needs)
         if problem:
-            usable = [n for n, c in _REGISTRY.items() if n != name and c.refuses(op, device, dtype, facts) is None]
+            usable = [n for n, c in _REGISTRY.items() if n != name and c.refuses(op, device, dtype, facts, needs) is None]
             raise ValueError(
                 f"backend {name!r} (from {source}) cannot run {op}: {problem}; "
                 f"backends that can: {usable}"
@@ -250,10 +284,10 @@ def select(
         b = _REGISTRY[name]
         if b.unavailable() is None and op in b.impls and op not in b.missing:
             best = best or name
-            problem = b.refuses(op, device, dtype, facts)
+            problem = b.refuses(op, device, dtype, facts, needs)
             if problem is None:
                 if name != best:
-                    log_fallback_once(op, best, name, f"{best} cannot: {_REGISTRY[best].refuses(op, device, dtype, facts)}")
+                    log_fallback_once(op, best, name, f"{best} cannot: {_REGISTRY[best].refuses(op, device, dtype, facts, needs)}")
                 return name, b.impls[op]
     raise ValueError(f"no backend can run {op} on {device.type} tensors")
 

@@ -44,20 +44,25 @@ def test_cli_writes_json_with_environment_and_ratios(tiny_run):
         peers = [r for r in rows if r["op"] == op and r["provider"].startswith("torch") and r["ms"]]
         assert peers and all(r["speedup_vs_torch"] is not None for r in peers)
         assert max(r["speedup_vs_torch"] for r in peers) == pytest.approx(1.0)  # the best peer
-    forward_only = {"decode"}  # paged decoding has no backward: its suite times the forward
+    # paged decoding has no backward, the jvp suite times one JVP call: their suites time "fwd"
+    forward_only = {"decode", "jvp"}
     for r in rows:
         assert r["mode"] == ("fwd" if r["op"] in forward_only else "fwd_bwd") and r["dtype"] == "float32"
         if r["error"]:
             assert r["ms"] is None
             continue
         assert r["ms_p20"] <= r["ms"] <= r["ms_p80"]
-        assert (r["tflops"] is not None) == (r["op"] in ("attention", "ffn", "model", "varlen"))
+        assert (r["tflops"] is not None) == (r["op"] in ("attention", "ffn", "model", "varlen", "jvp"))
         assert (r["gbps"] is not None) == (r["op"] in ("softmax", "layer_norm", "decode"))
         assert r["peak_fraction"] > 0 and r["params"] and r["sweep"] in r["params"]
-        if r["provider"] != "matmuls (floor)":  # the floor is not the op: not checked
+        if r["provider"] == "matmuls (floor)" or r["provider"].startswith("forward only"):
+            pass  # reference points, not the op: not checked
+        else:
             assert r["max_error"] < 1e-4, r
             if r["op"] not in ("model", *forward_only):  # no float64 backward of the whole model
                 assert r["max_grad_error"] < 1e-4, r
+        if r["op"] == "jvp":  # peak memory measured on the CPU too
+            assert r["peak_mem_mb"] is not None and r["peak_mem_mb"] >= 0
 
 
 def test_cli_covers_attention_providers_and_masks(tiny_run):

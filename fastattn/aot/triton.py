@@ -102,6 +102,14 @@ def _attention_cases():
                 A.attention_backward(out, q, k, v, out, lse, m, None, *band, dropout, 1, dmask)
         return run
 
+    def jvp(d, dtype, L=4096):
+        from fastattn.kernels import attention_jvp as J
+        q, k, v, tq, tk, tv = (_t(1, 2, L, d, dtype=dtype) for _ in range(6))
+
+        def run():
+            J.attention_jvp(q, k, v, None, tq, tk, tv, None, 0.125, 0, L, 0, 0.0, 1)
+        return run
+
     cases = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256, 80):
@@ -129,6 +137,10 @@ def _attention_cases():
                          tune=tune),
                     Case("attention", f"{tag} L4k window", attn(d, dtype, window=(256, 0)),
                          paths=("1",), tune=False),
+                    # the JVP kernel (kernels/attention_jvp.py: pointer path only); not in the
+                    # quick CI subset until a GPU session has compiled its configs
+                    Case("attention", f"{tag} L4k causal jvp", jvp(d, dtype), paths=("0",),
+                         tune=tune),
                 ]
     return cases
 

@@ -64,6 +64,7 @@ class Case:
     grad_reference: Callable[..., Any] | None = None
     params: dict = dataclasses.field(default_factory=dict)
     sweep: str | None = None
+    cpu_memory: bool = False  # on a CPU, also measure each provider's peak memory (one more call)
 
 
 @dataclasses.dataclass
@@ -236,6 +237,24 @@ class _ProviderError(Exception):
     """A provider's first call failed; the message is the formatted reason."""
 
 
+def cpu_peak_mb(call: Callable[[], Any]) -> float:
+    """Peak of the memory that ``call()`` allocates on the CPU above what is allocated before it
+    (MiB), from the profiler's allocation events (every tensor allocation; not the kernels'
+    small task-local buffers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak / 2**20
+
+
 def run_case(
     case: Case, providers: dict[str, Callable], device: torch.device, budget_s: float | None = None
 ) -> list[Result]:
@@ -290,6 +309,8 @@ def run_case(
             row.ms, row.ms_p20, row.ms_p80 = time_fn(call, device, budget_s, warmup=False)
             if device.type == "cuda":
                 row.peak_mem_mb = (torch.cuda.max_memory_allocated(device) - base_mem) / 2**20
+            elif case.cpu_memory:
+                row.peak_mem_mb = cpu_peak_mb(call)
         except Exception as exc:  # a provider that cannot run a case says why; the run goes on
             if isinstance(exc, _ProviderError):
                 row.error = str(exc)

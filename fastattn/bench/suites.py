@@ -844,8 +844,90 @@ def decode_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, o
     return providers, cases
 
 
+# ---------------------------------------------------------------------------------------------
+# Attention's JVP (forward-mode AD): time and peak memory against torch's math-path JVP.
+
+
+@dataclasses.dataclass
+class JvpAux:
+    causal: bool
+    tangents: tuple  # of q, k, v
+
+
+def jvp_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, options: Options | None = None):
+    """``torch.func.jvp`` of attention with tangents of q, k and v (the output's tangent is timed,
+    the primal comes with it). Peers: torch's JVP of ``F.scaled_dot_product_attention`` on its
+    math path (the only SDPA kernel with forward AD; O(L^2) memory) and the naive backend's; the
+    plain forward of our fastest backend is a reference point (the JVP's cost in forwards). Only
+    the ``fwd`` mode exists (one JVP call); peak memory is measured on CPUs too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    o = _options(options, device)
+    preset = _preset(device, o)
+    seqs, d, h, tokens = {
+        "gpu": ([512, 1024, 2048, 4096, 8192], 64, 16, 16384),
+        "cpu": ([512, 1024, 2048], 64, 4, 2048),
+        "tiny": ([32], 16, 2, 32),
+    }[preset]
+    if quick:
+        seqs = seqs[:: 2]
+    seqs, d = o.seqs or seqs, (o.dims or [d])[0]
+    causal_variants = o.causal or [False, True]
+
+    def ours(name):
+        def fn(q, k, v, mask, aux):
+            f = lambda q, k, v: fastattn.attention(q, k, v, mask, causal=aux.causal, backend=name)  # noqa: E731
+            return torch.func.jvp(f, (q, k, v), aux.tangents)[1]
+
+        return fn
+
+    def naive(q, k, v, mask, aux):
+        f = lambda q, k, v: fastattn.attention(q, k, v, mask, causal=aux.causal, backend="naive")  # noqa: E731
+        return torch.func.jvp(f, (q, k, v), aux.tangents)[1]
+
+    def math_jvp(q, k, v, mask, aux):
+        f = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=aux.causal)  # noqa: E731
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.func.jvp(f, (q, k, v), aux.tangents)[1]
+
+    jvp_backends = [n for n in fastattn_backends("attention", device)
+                    if "jvp" in backends._REGISTRY[n].features.get("attention", ())]
+    providers: dict[str, Callable] = {f"fastattn-{n}": ours(n) for n in jvp_backends}
+    providers["naive"] = naive
+    providers["torch.sdpa[math] jvp"] = math_jvp
+    if jvp_backends:
+        best = jvp_backends[0]
+        fwd = lambda q, k, v, mask, aux: fastattn.attention(q, k, v, mask, causal=aux.causal, backend=best)  # noqa: E731
+        fwd.bench_check = False  # not the op: its output is O, not O's tangent
+        providers[f"forward only (fastattn-{best})"] = fwd
+
+    cases = []
+    for L in seqs:
+        b = max(1, tokens // L)
+        for causal in causal_variants:
+            def make(b=b, L=L, causal=causal):
+                gen = torch.Generator().manual_seed(L + causal)
+                q, k, v, tq, tk, tv = (_random((b, h, L, d), device, dtype, False, gen) for _ in range(6))
+                return q, k, v, None, JvpAux(causal, (tq, tk, tv))
+
+            def ref(q, k, v, mask, aux):  # batch 0, head 0
+                tq, tk, tv = aux.tangents
+                c = lambda t: _np(t[:1, :1])  # noqa: E731
+                return reference.attention_jvp(c(q), c(k), c(v), None, c(tq), c(tk), c(tv), causal=aux.causal)[0]
+
+            # forward (2 matmuls) + one per tangent of q, k + (P S') V + P V' + O recomputed
+            flops = attention_flops(b, h, L, L, d, causal, "fwd") * 3
+            cases.append(Case(
+                "jvp", f"{b}x{h}x{L}x{d}" + (" causal" if causal else ""), dtype, "fwd", make,
+                flops=flops, reference=ref if L * L <= REFERENCE_MAX_ELEMENTS else None,
+                params={"L": L, "D": d, "causal": causal}, sweep="L", cpu_memory=True,
+            ))
+    return providers, cases
+
+
 SUITES = {
     "attention": attention_suite,
+    "jvp": jvp_suite,
     "softmax": softmax_suite,
     "layer_norm": layer_norm_suite,
     "ffn": ffn_suite,

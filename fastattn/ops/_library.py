@@ -15,6 +15,7 @@ from functools import partial
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from fastattn import _extension, backends
 from fastattn.backends import interpreting
@@ -76,7 +77,7 @@ def define_op(
       become ``fastattn::triton_<kernel>_fwd`` / ``_bwd`` with the same fake impls.
     - Autograd: ``backward(ops, ctx, *grads)`` with ``ops`` the :class:`Compiled` pair of the
       implementation being differentiated, and ``setup_context``, on each forward op.
-    - Backends: ``naive`` and, wrapped by ``adapt(fwd_op)`` into the op's backend contract, the
+    - Backends: ``naive`` (with forward-mode AD, ``"jvp"``: torch's own) and, wrapped by ``adapt(fwd_op)`` into the op's backend contract, the
       C++ op for each device it has kernels for and the Triton op. ``caps`` maps a backend name to
       its :class:`~fastattn.backends.Capability` keywords for this op.
     """
@@ -92,8 +93,8 @@ def define_op(
     for pair in (cpp, triton):
         if pair is not None and backward is not None:
             torch.library.register_autograd(pair.fwd, partial(backward, pair), setup_context=setup_context)
-    if naive is not None:
-        backends.register_backend(op, "naive", naive, **caps.get("naive", {}))
+    if naive is not None:  # eager torch: forward-mode AD is torch's own
+        backends.register_backend(op, "naive", naive, **{"features": ("jvp",), **caps.get("naive", {})})
     if cpp is not None:
         for name in cpp_backends(f"{kernel}_fwd"):
             backends.register_backend(op, name, adapt(cpp.fwd), **caps.get(name, {}))
@@ -148,8 +149,9 @@ def cpp_op(name: str, fake: Callable) -> Callable | None:
 
 
 def cpp_backends(name: str) -> list[str]:
-    """The backends (``cpu``, ``cuda``) for which the extension has a kernel of ``fastattn::<name>``."""
-    if not _extension.loaded():
+    """The backends (``cpu``, ``cuda``) for which the extension has a kernel of ``fastattn::<name>``
+    (none when the extension, e.g. one built from older sources, does not define the op)."""
+    if not _extension.loaded() or not hasattr(torch.ops.fastattn, name):
         return []
     keys = (("cpu", "CPU"), ("cuda", "CUDA"))
     return [b for b, key in keys if torch._C._dispatch_has_kernel_for_dispatch_key(f"fastattn::{name}", key)]
@@ -164,3 +166,15 @@ def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 def empty_or_none(t: torch.Tensor) -> torch.Tensor | None:
     """Ops return empty tensors for outputs that were not asked for; autograd wants None."""
     return None if t.numel() == 0 else t
+
+
+def forward_ad_needs(*tensors: torch.Tensor | None) -> tuple[str, ...]:
+    """``("jvp",)`` when forward-mode AD is on for any of ``tensors`` (a dual tensor of
+    torch.autograd.forward_ad, an input of torch.func.jvp / jacfwd), else ``()``: what
+    ``backends.select(..., needs=...)`` is asked for, so that a backend without forward mode for
+    the op is refused (named) or passed over (automatic choice). Never under torch.compile."""
+    if torch.compiler.is_compiling():
+        return ()
+    if any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
+        return ("jvp",)
+    return ()

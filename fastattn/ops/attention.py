@@ -7,8 +7,15 @@ Backend contract (what ``backends.register_backend("attention", name, fn)`` rece
 with inputs already validated: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); mask None
 or a (B, H, Lq, Lk) broadcast *view* of the user's mask (bool True = allowed, or float added to
 the scores); the band ``(offset, left, right)`` of docs/numerics.md; ``seed`` an int. ``out`` is
-(B, H, Lq, Dv) in q's dtype, ``lse`` (B, H, Lq) float32 (not differentiable). Gradients, the
-float mask's included, flow through autograd.
+(B, H, Lq, Dv) in q's dtype, ``lse`` (B, H, Lq) float32. Gradients, the float mask's included,
+flow through autograd.
+
+Derivatives (docs/numerics.md): the compiled backends' ops run inside :class:`_Attention`, an
+autograd.Function that gives them reverse mode (the fused backward kernel), forward mode (the
+backend's fused JVP kernel, ``attention_jvp`` / ``triton_attention_jvp``) and double backward (a
+backward built from differentiable pieces, :func:`_differentiable_backward`); ``naive`` is plain
+PyTorch and differentiates itself. Under torch.compile (which cannot trace a custom ``jvp``) the
+ops are called directly and their registered autograd (first order) applies.
 """
 
 from __future__ import annotations
@@ -17,11 +24,14 @@ import importlib.util
 import math
 from typing import Optional
 
+
 import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import cpp_backends, cpp_op, empty_or_none, last_dim_contiguous, triton_op
+from fastattn.ops._library import (
+    cpp_backends, cpp_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_op,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CAUSAL = (False, True, "top_left", "bottom_right")
@@ -67,11 +77,12 @@ def _fmix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, p: float, device) -> Tensor:
-    """Bool (b, h, lq, lk) keep-mask of the shared counter-based RNG (docs/numerics.md)."""
+def dropout_keep_mask(seed: int, b: int, h: int, lq: int, lk: int, p: float, device, row0: int = 0) -> Tensor:
+    """Bool (b, h, lq, lk) keep-mask of the shared counter-based RNG (docs/numerics.md), for the
+    query rows ``row0 .. row0 + lq - 1``."""
     bh = torch.arange(b * h, device=device, dtype=torch.int64).view(b, h, 1, 1)
     stream = _fmix32((seed + 0x9E3779B9 * bh) & _M32)
-    i = torch.arange(lq, device=device, dtype=torch.int64).view(lq, 1)
+    i = torch.arange(row0, row0 + lq, device=device, dtype=torch.int64).view(lq, 1)
     j = torch.arange(lk, device=device, dtype=torch.int64).view(1, lk)
     r = _fmix32(_fmix32((i * lk + j) & _M32) ^ stream)
     return r >= math.floor(p * 2**32)
@@ -91,10 +102,16 @@ def _pairwise(a, b, sel):
 def _all_finite(*tensors) -> bool:
     if torch.compiler.is_compiling():
         return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    try:
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+    except RuntimeError:  # under torch.func.vmap no data-dependent branch: as under compile
+        return True
 
 
-def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
+def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed, row0=0):
+    """The naive backend; ``row0`` > 0 computes the rows ``row0 ..`` of a longer query (whose
+    first row is 0) given their q and mask rows: the band's ``offset`` is then the caller's
+    ``offset + row0`` and dropout draws those rows' counters (:func:`_differentiable_backward`)."""
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     group = H // k.shape[1]
@@ -113,7 +130,8 @@ def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
     # would), forward or backward. Matmuls do meet them: when an operand is not all finite the
     # products are formed pairwise, masked first (O(Lq * Lk * D) memory; one reduction per check,
     # a synchronization on a GPU). Under torch.compile the check (a data-dependent branch) is
-    # skipped: compiled naive takes the matmuls, which hold the rule for finite inputs only.
+    # skipped: compiled naive takes the matmuls, which hold the rule for finite inputs only; so
+    # does naive under torch.func.vmap, where the check cannot run.
     sel = allowed.unsqueeze(-1)
     if _all_finite(q, k):
         s = (q @ k.transpose(-1, -2)) * scale
@@ -128,14 +146,15 @@ def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
     dead = torch.isneginf(s).all(-1, keepdim=True).detach()
     p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(~allowed | dead, 0.0)
     if dropout_p > 0:
-        keep = dropout_keep_mask(seed, B, H, Lq, Lk, dropout_p, q.device)
+        keep = dropout_keep_mask(seed, B, H, Lq, Lk, dropout_p, q.device, row0)
         p = p * keep / (1.0 - dropout_p)
     if _all_finite(v):
         out = p @ v
     else:
         out = _pairwise(p.unsqueeze(-1), v.unsqueeze(-3), sel).sum(-2)
-    lse = torch.logsumexp(s.detach(), dim=-1).to(torch.float32)
-    return out.to(dtype), lse
+    # lse is differentiable (both modes); dead rows: -inf with tangent and gradient 0.
+    lse = torch.logsumexp(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead.squeeze(-1), float("-inf"))
+    return out.to(dtype), lse.to(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,18 +181,22 @@ def _setup_context(ctx, inputs, output):
     ctx.float_mask = mask is not None and mask.is_floating_point()
 
 
+def _fused_grads(bwd, dout, saved, args, need_dmask):
+    """dq, dk, dv, dmask (None unless ``need_dmask``) by a backend's fused backward op;
+    ``saved`` = (q, k, v, out, lse, mask) of the forward."""
+    q, k, v, out, lse, mask = saved
+    dq, dk, dv, dmask = bwd(last_dim_contiguous(dout), q, k, v, out, lse, mask, *args, need_dmask)
+    dmask = empty_or_none(dmask)
+    return dq, dk, dv, None if dmask is None else dmask.to(mask.dtype)
+
+
 def _autograd(fwd, bwd) -> None:
     if fwd is None:
         return
 
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, mask = ctx.saved_tensors
         need_dmask = ctx.float_mask and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask = bwd(last_dim_contiguous(dout), q, k, v, out, lse, mask, *ctx.args, need_dmask)
-        dmask = empty_or_none(dmask)
-        if dmask is not None:
-            dmask = dmask.to(mask.dtype)
-        return dq, dk, dv, dmask, None, None, None, None, None, None
+        return (*_fused_grads(bwd, dout, ctx.saved_tensors, ctx.args, need_dmask), *(None,) * 6)
 
     torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
 
@@ -226,11 +249,190 @@ if importlib.util.find_spec("triton") is not None:
     _autograd(_triton_fwd, _triton_bwd)
 
 
-backends.register_backend("attention", "naive", _naive)
-for _name in cpp_backends("attention_fwd"):
-    backends.register_backend("attention", _name, _cpp_fwd)
+# ---------------------------------------------------------------------------------------------
+# Forward-mode AD: one JVP op per compiled backend (same schema), its fake impl.
+
+
+def _fake_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, dropout_p, seed):
+    B, H, Lq, _ = q.shape
+    return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
+
+
+_cpp_jvp = cpp_op("attention_jvp", _fake_jvp) if cpp_backends("attention_jvp") else None
+
+_triton_jvp = None
 if _triton_fwd is not None:
-    backends.register_backend("attention", "triton", _triton_fwd)
+    from fastattn.kernels import attention_jvp as _jvp_kernels
+
+    @triton_op("triton_attention_jvp", _fake_jvp)
+    def _triton_jvp(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Optional[Tensor],
+        tq: Optional[Tensor],
+        tk: Optional[Tensor],
+        tv: Optional[Tensor],
+        tmask: Optional[Tensor],
+        scale: float,
+        offset: int,
+        left: int,
+        right: int,
+        dropout_p: float,
+        seed: int,
+    ) -> tuple[Tensor, Tensor]:
+        return _jvp_kernels.attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right,
+                                          dropout_p, seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap (torch.func.vmap, jacfwd) of the compiled ops: the vmapped dim is folded into the batch.
+
+
+def _fold_vmap_rule(op):
+    """A vmap rule for an attention op whose tensors all lead with the batch dim B: batched
+    tensors become (N * B, ...) (unbatched ones are expanded), outputs are unfolded to
+    (N, B, ...). Dropout draws per (b, h), so with dropout_p > 0 the op runs once per vmapped
+    element instead (the same masks as a Python loop would draw)."""
+
+    def rule(info, in_dims, *args):
+        n = info.batch_size
+
+        def fold(x, d):
+            if not isinstance(x, Tensor):
+                return x
+            x = x.movedim(d, 0) if d is not None else x.unsqueeze(0).expand(n, *x.shape)
+            return x.reshape(n * x.shape[1], *x.shape[2:])
+
+        def unfold(y):
+            if y.numel() == 0 and y.dim() == 1:  # an output that was not asked for
+                return y, None
+            return y.reshape(n, -1, *y.shape[1:]), 0
+
+        if args[_arg_index(op, "dropout_p")] > 0:
+            outs = [op(*(a.select(d, i) if isinstance(a, Tensor) and d is not None else a
+                         for a, d in zip(args, in_dims))) for i in range(n)]
+            return tuple(torch.stack(ys) for ys in zip(*outs)), tuple(0 for _ in outs[0])
+        outs = op(*(fold(a, d) for a, d in zip(args, in_dims)))
+        folded = [unfold(y) for y in outs]
+        return tuple(y for y, _ in folded), tuple(d for _, d in folded)
+
+    torch.library.register_vmap(op, rule)
+
+
+def _arg_index(op, name: str) -> int:
+    schema = op._opoverload._schema if hasattr(op, "_opoverload") else op._schema  # CustomOpDef / OpOverload
+    return [a.name for a in schema.arguments].index(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Derivatives of the compiled backends.
+
+# Score entries (B * H * rows * Lk) per query chunk of the differentiable backward.
+_CHUNK_SCORES = 1 << 22
+
+
+def _differentiable_backward(q, k, v, mask, args, dout, dlse, needs):
+    """dq, dk, dv, dmask (None where not ``needs``) of ``<dout, out> + <dlse, lse>`` by the naive
+    backend's differentiable operations (``torch.func.vjp`` of it), chunked over query rows (rows
+    are independent). With grad mode on (``create_graph=True``) the result is differentiable
+    again (double backward), and then the graph holds every chunk's (B, H, rows, Lk)
+    intermediates, O(B * H * Lq * Lk) in all until it is freed; without, each chunk's are freed
+    before the next: O(B * H * Lk) times the chunk's rows (``_CHUNK_SCORES`` score entries)."""
+    scale, offset, left, right, dropout_p, seed = args
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    wrt = [i for i, n in enumerate(needs) if n]
+    rows = max(1, _CHUNK_SCORES // max(1, B * H * Lk))
+    grads = [[] for _ in range(4)]
+    for r0 in range(0, Lq, rows):
+        r1 = min(Lq, r0 + rows)
+        inputs = [q[:, :, r0:r1], k, v, None if mask is None else mask[:, :, r0:r1]]
+
+        def chunk(*xs, inputs=inputs, r0=r0):
+            a = list(inputs)
+            for i, x in zip(wrt, xs):
+                a[i] = x
+            return _naive(*a, scale, offset + r0, left, right, dropout_p, seed, r0)
+
+        (out_c, lse_c), pull = torch.func.vjp(chunk, *(inputs[i] for i in wrt))
+        cot_out = torch.zeros_like(out_c) if dout is None else dout[:, :, r0:r1].to(out_c.dtype)
+        cot_lse = torch.zeros_like(lse_c) if dlse is None else dlse[:, :, r0:r1].to(lse_c.dtype)
+        for i, g in zip(wrt, pull((cot_out, cot_lse))):
+            grads[i].append(g)
+    dq = torch.cat(grads[0], 2) if needs[0] else None
+    dk = torch.stack(grads[1]).sum(0) if needs[1] else None
+    dv = torch.stack(grads[2]).sum(0) if needs[2] else None
+    dmask = torch.cat(grads[3], 2) if needs[3] else None
+    return dq, dk, dv, dmask
+
+
+class _Attention(torch.autograd.Function):
+    """A compiled backend's forward op with all three derivatives: backward by its fused kernel
+    (or, for ``create_graph=True`` and for a gradient flowing into lse, by
+    :func:`_differentiable_backward`), forward-mode AD by its fused JVP op, vmap by the ops'
+    rules (:func:`_fold_vmap_rule`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed, fwd, bwd, jvp, name):
+        return fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, scale, offset, left, right, dropout_p, seed, _, bwd, jvp, name = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.save_for_forward(q, k, v, mask)
+        ctx.args = (scale, offset, left, right, dropout_p, seed)
+        ctx.ops = (bwd, jvp, name)
+        ctx.float_mask = mask is not None and mask.is_floating_point()
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        needs = (*ctx.needs_input_grad[:3], ctx.float_mask and ctx.needs_input_grad[3])
+        none = (None,) * 10
+        if (dout is None and dlse is None) or not any(needs):
+            return (None, None, None, None, *none)
+        # create_graph=True: grad mode is on and the inputs are on a graph (not so under the
+        # reverse-mode transforms of torch.func, whose inputs this level sees unwrapped)
+        create = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask))
+        if create or dlse is not None:
+            return (*_differentiable_backward(q, k, v, mask, ctx.args, dout, dlse, needs), *none)
+        return (*_fused_grads(ctx.ops[0], dout, ctx.saved_tensors, ctx.args, needs[3]), *none)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tmask, *_):
+        q, k, v, mask = ctx.saved_tensors
+        _, jvp, name = ctx.ops
+        if jvp is None:  # backends.select refuses these before; a last guard, never a wrong tangent
+            raise ValueError(f"backend {name!r} has no forward-mode AD (JVP) kernel for attention")
+        if not ctx.float_mask:
+            tmask = None
+        tq, tk, tv = (last_dim_contiguous(t) for t in (tq, tk, tv))
+        return jvp(q, k, v, mask, tq, tk, tv, tmask, *ctx.args)
+
+
+# name -> (fwd, bwd, jvp) of the compiled backends; the fused kernels run through _Attention.
+_COMPILED: dict[str, tuple] = {}
+for _name in cpp_backends("attention_fwd"):
+    _COMPILED[_name] = (_cpp_fwd, _cpp_bwd, _cpp_jvp if _name in cpp_backends("attention_jvp") else None)
+if _triton_fwd is not None:
+    _COMPILED["triton"] = (_triton_fwd, _triton_bwd, _triton_jvp)
+for _op in {id(op): op for ops in _COMPILED.values() for op in ops if op is not None}.values():
+    _fold_vmap_rule(_op)  # once per op (cpu and cuda share the C++ ops)
+
+backends.register_backend("attention", "naive", _naive)
+backends.register_feature("attention", "naive", "jvp")
+for _name, (_fwd, _, _jvp) in _COMPILED.items():
+    backends.register_backend("attention", _name, _fwd)
+    if _jvp is not None:
+        backends.register_feature("attention", _name, "jvp")
+    else:
+        backends.note_missing_feature("attention", _name, "jvp", "it has no forward-mode AD (JVP) kernel")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +512,13 @@ def attention(
     and ``right`` after its diagonal. Rows with nothing to attend output 0 (gradient 0).
     Dropout draws from a counter-based RNG seeded by ``seed`` (default: from torch's generator),
     the same mask on every backend. With ``return_lse=True`` also returns the float32
-    log-sum-exp of each row's scores (B, H, Lq) (not differentiable; -inf for empty rows).
+    log-sum-exp of each row's scores (B, H, Lq) (-inf for empty rows, whose gradient and tangent
+    are 0).
+
+    Derivatives: reverse mode, double backward (``create_graph=True``) and forward mode
+    (``torch.func.jvp``, ``torch.autograd.forward_ad``, ``jacfwd``; tangents of q, k, v and a
+    float mask) on every backend but ``cuda``, which has no JVP kernel (selecting it for forward
+    mode raises a ValueError; the automatic choice passes over it).
     """
     mask = _validate(query, key, value, mask, dropout_p, enable_gqa, causal, window)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -318,8 +526,14 @@ def attention(
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
     query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
-    _, impl = backends.select("attention", query.device, backend, query.dtype)
-    out, lse = impl(query, key, value, mask, scale, offset, left, right, float(dropout_p), int(seed or 0))
+    needs = forward_ad_needs(query, key, value, mask)
+    name, impl = backends.select("attention", query.device, backend, query.dtype, needs=needs)
+    args = (scale, offset, left, right, float(dropout_p), int(seed or 0))
+    compiled = _COMPILED.get(name)
+    if compiled is None or compiled[0] is not impl or torch.compiler.is_compiling():
+        out, lse = impl(query, key, value, mask, *args)
+    else:
+        out, lse = _Attention.apply(query, key, value, mask, *args, *compiled, name)
     return (out, lse) if return_lse else out
 
 

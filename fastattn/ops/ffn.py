@@ -22,7 +22,7 @@ from torch import Tensor
 from fastattn import activations as act
 from fastattn import backends
 from fastattn.activations import ACTIVATIONS, GATED
-from fastattn.ops._library import define_op, empty_or_none, triton_kernels
+from fastattn.ops._library import define_op, forward_ad_needs, empty_or_none, triton_kernels
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -147,6 +147,6 @@ def ffn(
         raise ValueError(f"b1 has shape {list(b1.shape)}, expected [{w1.shape[0]}]")
     if b2 is not None and tuple(b2.shape) != (w2.shape[0],):
         raise ValueError(f"b2 has shape {list(b2.shape)}, expected [{w2.shape[0]}]")
-    _, impl = backends.select("ffn", x.device, backend, x.dtype)
+    _, impl = backends.select("ffn", x.device, backend, x.dtype, needs=forward_ad_needs(x, w1, b1, w2, b2))
     out = impl(x.reshape(-1, d).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2, activation)
     return out.view(*x.shape[:-1], w2.shape[0])

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import define_op, empty_or_none, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import define_op, forward_ad_needs, empty_or_none, last_dim_contiguous, triton_kernels
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -178,7 +178,8 @@ def _check(x, residual, normalized_shape, weight, bias) -> tuple[int, ...]:
 
 def _run(x, residual, normalized_shape, weight, bias, eps, rms, backend):
     shape = _check(x, residual, normalized_shape, weight, bias)
-    _, impl = backends.select("layer_norm", x.device, backend, x.dtype)
+    _, impl = backends.select("layer_norm", x.device, backend, x.dtype,
+                              needs=forward_ad_needs(x, residual, weight, bias))
     return impl(x, residual, shape, weight, bias, float(eps), rms)
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import define_op, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import define_op, forward_ad_needs, last_dim_contiguous, triton_kernels
 
 __all__ = ["rope", "rotary_cos_sin"]
 
@@ -303,7 +303,7 @@ def rope(
         cos, sin = cos.to(acc).contiguous(), sin.to(acc).contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    _, impl = backends.select("rope", x.device, backend, x.dtype)
+    _, impl = backends.select("rope", x.device, backend, x.dtype, needs=forward_ad_needs(x, cos, sin))
     return impl(x, cos, sin, positions, bool(interleaved))
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import define_op, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import define_op, forward_ad_needs, last_dim_contiguous, triton_kernels
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -125,5 +125,5 @@ def scaled_masked_softmax(
     x4 = _as_4d(x, shape)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
-    _, impl = backends.select("softmax", x.device, backend, x.dtype)
+    _, impl = backends.select("softmax", x.device, backend, x.dtype, needs=forward_ad_needs(x4, mask))
     return impl(x4, mask, float(scale), bool(is_causal)).view(shape)

@@ -378,6 +378,40 @@ def attention_backward(dout, q, k, v, mask=None, scale=None, causal=False, windo
     return dq, _reduce_kv_heads(dk, Hkv), _reduce_kv_heads(dv, Hkv), dmask
 
 
+def attention_jvp(q, k, v, mask=None, tq=None, tk=None, tv=None, tmask=None, scale=None,
+                  causal=False, window=None, dropout_p=0.0, seed=None, enable_gqa=False):
+    """Forward-mode derivative of :func:`attention`: the tangents ``(tout, tlse)`` of
+    ``(out, lse)`` along the tangents ``tq, tk, tv`` (shaped like q, k, v) and ``tmask`` (a float
+    mask's, broadcastable like it); None means zero. With ``P`` the probabilities and ``Z`` the
+    dropout multiplier:
+
+        dS   = scale * (tq k^T + q tk^T) + tmask
+        tlse = rowsum(P * dS)
+        tout = ((P * (dS - tlse)) * Z) v + (P * Z) tv
+
+    Fully masked rows have ``P = 0``, so both tangents are 0 there; masked-out entries
+    contribute nothing, whatever ``dS`` holds there.
+    """
+    q, k, v, scale = _prepare(q, k, v, scale, enable_gqa)
+    B, H, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    zero = np.zeros
+    tq = zero(q.shape) if tq is None else _f64(tq)
+    tk = zero(k.shape) if tk is None else _expand_kv_heads(_f64(tk), H, enable_gqa)
+    tv = zero(v.shape) if tv is None else _expand_kv_heads(_f64(tv), H, enable_gqa)
+    p, _, allowed = _attention_probs(q, k, mask, scale, causal, window)
+    z = _dropout_factor(B, H, Lq, Lk, dropout_p, seed)
+    with np.errstate(invalid="ignore"):
+        ds = scale * (tq @ np.swapaxes(k, -1, -2) + q @ np.swapaxes(tk, -1, -2))
+        if tmask is not None:
+            ds = ds + _f64(tmask)
+        pds = np.where(allowed, p * ds, 0.0)
+        tlse = pds.sum(axis=-1)
+        tout = (_attended_matmul((pds - p * tlse[..., None]) * z, v, allowed)
+                + _attended_matmul(p * z, tv, allowed))
+    return tout, tlse
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed (variable-length) sequences and the paged KV cache
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,419 @@
+// Helpers shared by the CPU attention kernels (csrc/cpu/attention.cpp: forward and backward;
+// csrc/cpu/attention_jvp.cpp: forward-mode AD): tile sizes, the band, dropout, task scheduling,
+// packing into the accumulation type, SIMD row helpers and argument checks. Internal to csrc/cpu
+// (not installed with csrc/include): everything lives in an unnamed namespace, so each kernel
+// file gets its own copy compiled for its workers' ISA targets.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "fastattn/common.h"
+#include "fastattn/cpu_gemm.h"
+#include "fastattn/cpu_mask.h"
+#include "fastattn/rng.h"
+
+namespace fastattn {
+namespace {
+namespace cpu_attention {
+
+using cpu::acc_t;
+using cpu::ceil_div;
+using cpu::round_up;
+using cpu::Vec;
+
+// Tile sizes (multiples of 16, the widest vector in floats).
+constexpr int64_t kFwdBlockQ = 64;   // forward: query rows per task
+constexpr int64_t kFwdBlockK = 256;  // forward: keys per tile
+constexpr int64_t kBwdBlockQ = 64;   // backward: query rows per tile
+constexpr int64_t kBwdBlockK = 64;   // backward: keys per tile
+
+// Padding of packed rows: 64 bytes (16 floats, 8 doubles), a multiple of every vector width.
+template <class A>
+constexpr int64_t kPad = 64 / sizeof(A);
+
+// ---------------------------------------------------------------------------------------------
+// Band, dropout and shapes.
+
+// Key j is visible to query i iff i + lo <= j <= i + hi. lo and hi are clamped to
+// [-(Lq + Lk + 1), Lq + Lk + 1], which changes no answer and keeps all arithmetic in range.
+struct Band {
+  int64_t lo, hi;
+};
+
+inline int64_t saturating_add(int64_t a, int64_t b) {
+#if defined(__GNUC__) || defined(__clang__)
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) {
+    return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+  }
+  return r;
+#else
+  const int64_t lim = int64_t(1) << 61;
+  return std::clamp(a, -lim, lim) + std::clamp(b, -lim, lim);
+#endif
+}
+
+inline Band make_band(int64_t offset, int64_t left, int64_t right, int64_t lq, int64_t lk) {
+  const int64_t lim = lq + lk + 1;
+  const int64_t neg_left = left == std::numeric_limits<int64_t>::min()
+                               ? std::numeric_limits<int64_t>::max()
+                               : -left;
+  return {std::clamp(saturating_add(offset, neg_left), -lim, lim),
+          std::clamp(saturating_add(offset, right), -lim, lim)};
+}
+
+struct Dropout {
+  bool on = false;
+  int64_t seed = 0;
+  uint32_t threshold = 0;
+  double inv_keep = 1.0;
+};
+
+struct Shape {
+  int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
+};
+
+// Tasks handed out by an atomic counter (dynamic scheduling; each task writes distinct outputs).
+template <class Worker>
+void run_workers(int64_t ntasks, const Worker& worker) {
+  if (ntasks <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntasks));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { worker(next); });
+}
+
+// Block indices sorted by decreasing work (number of tiles of the other side inside the band),
+// ties in increasing order: the longest tasks start first.
+inline std::vector<int64_t> order_by_work(int64_t nblocks, const std::vector<int64_t>& work) {
+  std::vector<int64_t> order(nblocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  return order;
+}
+
+// Number of key tiles (of `tile` keys) visited by query block [i0, i0 + n).
+inline int64_t key_tiles(const Band& band, int64_t i0, int64_t n, int64_t lk, int64_t tile) {
+  const int64_t jlo = std::max<int64_t>(0, i0 + band.lo);
+  const int64_t jhi = std::min<int64_t>(lk - 1, i0 + n - 1 + band.hi);
+  return jlo > jhi ? 0 : jhi / tile - jlo / tile + 1;
+}
+
+// Number of query tiles visited by key block [j0, j0 + n).
+inline int64_t query_tiles(const Band& band, int64_t j0, int64_t n, int64_t lq, int64_t tile) {
+  const int64_t ilo = std::max<int64_t>(0, j0 - band.hi);
+  const int64_t ihi = std::min<int64_t>(lq - 1, j0 + n - 1 - band.lo);
+  return ilo > ihi ? 0 : ihi / tile - ilo / tile + 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing (memory-bound, baseline ISA). `src` is (B, heads, L, dim) with strides s (unit stride
+// on dim); rows are indexed bh = b * heads + head.
+
+struct Strided4 {
+  int64_t s0, s1, s2;  // strides of dims 0, 1, 2 (dim 3 has stride 1)
+};
+
+// dst[(bh * L + r) * dpad + d] = scale * src[b, head, r, d], zero for d >= dim; then kGemmRowPad zero
+// rows (dst holds (B * heads * L + kGemmRowPad) * dpad values), so any row block of it can be a
+// GEMM's A operand.
+template <class T, class A>
+void pack_rows(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t L, int64_t dim,
+               int64_t dpad, A* dst, A scale = A(1)) {
+  const int64_t rows = B * heads * L;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, dpad)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t bh = row / L, r = row % L, b = bh / heads, hd = bh % heads;
+      const T* in = src + b * s.s0 + hd * s.s1 + r * s.s2;
+      A* out = dst + row * dpad;
+      cpu::convert_to_acc(in, out, dim);
+      if (scale != A(1)) {
+        for (int64_t d = 0; d < dim; ++d) out[d] *= scale;
+      }
+      std::fill(out + dim, out + dpad, A(0));
+    }
+  });
+  std::fill(dst + rows * dpad, dst + (rows + cpu::kGemmRowPad) * dpad, A(0));
+}
+
+// Elements of a pack_rows buffer.
+inline int64_t packed_rows_size(int64_t rows, int64_t dpad) { return (rows + cpu::kGemmRowPad) * dpad; }
+
+// flags[bh * ntiles + t] = 1 iff rows [t * tile, (t + 1) * tile) of head bh of a pack_rows buffer
+// (heads * L rows of ld values, ld a multiple of kPad<A>) hold a NaN or an infinity; an empty
+// vector when every value is finite. The tiles flagged take the careful GEMM (gemm_acc).
+template <class A>
+std::vector<uint8_t> nonfinite_tiles(const A* rows, int64_t heads, int64_t L, int64_t ld,
+                                     int64_t tile) {
+  using V = Vec<A, 16 / sizeof(A)>;
+  const int64_t ntiles = ceil_div(L, tile);
+  std::vector<uint8_t> flags(heads * ntiles, 0);
+  std::atomic<bool> any{false};
+  at::parallel_for(0, heads * ntiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t ht = t0; ht < t1; ++ht) {
+      const int64_t h = ht / ntiles, t = ht % ntiles;
+      const A* x = rows + (h * L + t * tile) * ld;
+      const int64_t n = std::min(tile, L - t * tile) * ld;
+      V a0(A(0)), a1(A(0));  // x - x is 0, or NaN for NaN and +-inf
+      for (int64_t e = 0; e < n; e += 2 * V::size) {
+        const V x0 = V::load(x + e), x1 = V::load(x + e + V::size);
+        a0 = a0 + (x0 - x0);
+        a1 = a1 + (x1 - x1);
+      }
+      const A r = (a0 + a1).sum();
+      if (r != r) {
+        flags[ht] = 1;
+        any.store(true, std::memory_order_relaxed);
+      }
+    }
+  });
+  if (!any.load()) flags.clear();
+  return flags;
+}
+
+// Transposed tiles: dst[((bh * ntiles + t) * dim + d) * tile + c] = scale * src[b, head, t * tile + c, d],
+// zero for rows >= L.
+template <class T, class A>
+void pack_transposed(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t L, int64_t dim,
+                     int64_t tile, A* dst, A scale = A(1)) {
+  const int64_t ntiles = ceil_div(L, tile);
+  at::parallel_for(0, B * heads * ntiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> row(dim);
+    for (int64_t bt = t0; bt < t1; ++bt) {
+      const int64_t bh = bt / ntiles, t = bt % ntiles, b = bh / heads, hd = bh % heads;
+      A* out = dst + bt * dim * tile;
+      const int64_t n = std::min(tile, L - t * tile);
+      for (int64_t c = 0; c < n; ++c) {
+        const T* in = src + b * s.s0 + hd * s.s1 + (t * tile + c) * s.s2;
+        cpu::convert_to_acc(in, row.data(), dim);
+        for (int64_t d = 0; d < dim; ++d) out[d * tile + c] = row[d] * scale;
+      }
+      for (int64_t d = 0; d < dim; ++d) std::fill(out + d * tile + n, out + (d + 1) * tile, A(0));
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row helpers (FASTATTN_INLINE: compiled for the ISA of the calling worker). n is a multiple of
+// V::size unless said otherwise.
+
+template <class V>
+FASTATTN_INLINE void scale_row(typename V::value_type* s, int64_t n, typename V::value_type scale) {
+  const V sv(scale);
+  for (int64_t c = 0; c < n; c += V::size) (V::load(s + c) * sv).store(s + c);
+}
+
+template <class V>
+FASTATTN_INLINE typename V::value_type max_row(const typename V::value_type* s, int64_t n) {
+  using A = typename V::value_type;
+  V m0(-std::numeric_limits<A>::infinity()), m1 = m0;
+  int64_t c = 0;
+  for (; c + 2 * V::size <= n; c += 2 * V::size) {
+    m0 = max(m0, V::load(s + c));
+    m1 = max(m1, V::load(s + c + V::size));
+  }
+  if (c < n) m0 = max(m0, V::load(s + c));
+  return max(m0, m1).max_lane();
+}
+
+// exp(x - m) for a score x, or the masked marker -0.0 where x = -inf (masked out), whatever m is
+// (m may be NaN: a row that attends a NaN score; its masked entries still stay out).
+template <class V>
+FASTATTN_INLINE V exp_live(V x, V m) {
+  using A = typename V::value_type;
+  return V::select_neg_inf(x, V(-A(0)), cpu::vexp(x - m));
+}
+
+// s = exp(s - m) in place (-0.0 where s = -inf); returns the sum.
+template <class V>
+FASTATTN_INLINE typename V::value_type exp_sum_row(typename V::value_type* s, int64_t n,
+                                                   typename V::value_type m) {
+  using A = typename V::value_type;
+  const V mv(m);
+  V a0(A(0)), a1(A(0));
+  int64_t c = 0;
+  for (; c + 2 * V::size <= n; c += 2 * V::size) {
+    const V e0 = exp_live(V::load(s + c), mv), e1 = exp_live(V::load(s + c + V::size), mv);
+    e0.store(s + c);
+    e1.store(s + c + V::size);
+    a0 = a0 + e0;
+    a1 = a1 + e1;
+  }
+  if (c < n) {
+    const V e0 = exp_live(V::load(s + c), mv);
+    e0.store(s + c);
+    a0 = a0 + e0;
+  }
+  return (a0 + a1).sum();
+}
+
+// s = exp(s - m) in place (m a scalar; -0.0 where s = -inf).
+template <class V>
+FASTATTN_INLINE void exp_row(typename V::value_type* s, int64_t n, typename V::value_type m) {
+  const V mv(m);
+  for (int64_t c = 0; c < n; c += V::size) exp_live(V::load(s + c), mv).store(s + c);
+}
+
+// s = exp(s - m[c]) in place (a per-column m; -0.0 where s = -inf).
+template <class V>
+FASTATTN_INLINE void exp_row_cols(typename V::value_type* s, int64_t n,
+                                  const typename V::value_type* m) {
+  for (int64_t c = 0; c < n; c += V::size) exp_live(V::load(s + c), V::load(m + c)).store(s + c);
+}
+
+// dst = s * z
+template <class V>
+FASTATTN_INLINE void mul_row_to(typename V::value_type* dst, const typename V::value_type* s,
+                                int64_t n, const typename V::value_type* z) {
+  for (int64_t c = 0; c < n; c += V::size) (V::load(s + c) * V::load(z + c)).store(dst + c);
+}
+
+// dp = p * (dp * z - delta) with a scalar delta (z = null: no dropout); -0.0 (masked) where p is
+// -0.0, even when dp or delta is NaN.
+template <class V>
+FASTATTN_INLINE void ds_row(typename V::value_type* dp, const typename V::value_type* p,
+                            const typename V::value_type* z, int64_t n,
+                            typename V::value_type delta) {
+  const V dv(delta);
+  for (int64_t c = 0; c < n; c += V::size) {
+    V d = V::load(dp + c);
+    if (z != nullptr) d = d * V::load(z + c);
+    const V pv = V::load(p + c);
+    V::select_neg_zero(pv, pv, pv * (d - dv)).store(dp + c);
+  }
+}
+
+// dp = p * (dp * z - delta[c]) with a per-column delta (-0.0 where p is -0.0).
+template <class V>
+FASTATTN_INLINE void ds_row_cols(typename V::value_type* dp, const typename V::value_type* p,
+                                 const typename V::value_type* z, int64_t n,
+                                 const typename V::value_type* delta) {
+  for (int64_t c = 0; c < n; c += V::size) {
+    V d = V::load(dp + c);
+    if (z != nullptr) d = d * V::load(z + c);
+    const V pv = V::load(p + c);
+    V::select_neg_zero(pv, pv, pv * (d - V::load(delta + c))).store(dp + c);
+  }
+}
+
+// C += op(A) B on a tile, by the careful path when B holds a non-finite value (`careful`): then
+// the -0.0 (masked-out) entries of op(A) contribute nothing, as docs/numerics.md's NaN rule asks.
+template <class V, bool kTransA = false>
+FASTATTN_INLINE void gemm_acc(bool careful, int64_t m, int64_t n, int64_t k,
+                              const typename V::value_type* a, int64_t lda,
+                              const typename V::value_type* b, int64_t ldb,
+                              typename V::value_type* c, int64_t ldc) {
+  if (careful) {
+    cpu::gemm_skip_neg_zero<V, kTransA>(m, n, k, a, lda, b, ldb, c, ldc);
+  } else {
+    cpu::gemm<V, kTransA>(m, n, k, a, lda, b, ldb, c, ldc, true);
+  }
+}
+
+// Whether tile `i` of a nonfinite_tiles() list is flagged (null: all finite).
+inline bool flagged(const uint8_t* flags, int64_t i) { return flags != nullptr && flags[i] != 0; }
+
+// z[c] = keep(counter = base + c * stride) ? inv_keep : 0 for c < n (any n).
+template <class A>
+FASTATTN_INLINE void dropout_row(A* z, int64_t n, uint32_t base, uint32_t stride, uint32_t stream,
+                                 uint32_t threshold, A inv_keep) {
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t bits = dropout_bits(stream, base, static_cast<uint32_t>(c) * stride);
+    z[c] = bits >= threshold ? inv_keep : A(0);
+  }
+}
+
+// Sets s[c] = -inf for c outside [c_lo, c_hi) and for the padding [n, npad).
+template <class A>
+FASTATTN_INLINE void band_row(A* s, int64_t n, int64_t npad, int64_t c_lo, int64_t c_hi) {
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  c_lo = std::clamp<int64_t>(c_lo, 0, n);
+  c_hi = std::clamp<int64_t>(c_hi, c_lo, n);
+  std::fill(s, s + c_lo, neg_inf);
+  std::fill(s + c_hi, s + npad, neg_inf);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks.
+
+inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    TORCH_CHECK(t->dim() == 4, name, " must be 4-D (batch, heads, length, head_dim), got shape ",
+                t->sizes());
+    check_float_dtype(*t, name, /*allow_double=*/true);
+    check_device(*t, q, name, "q");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have q's dtype (",
+                q.scalar_type(), "), got ", t->scalar_type());
+  }
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ: q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.size(1) == v.size(1) && k.size(2) == v.size(2), "k ", k.sizes(), " and v ",
+              v.sizes(), " must have the same heads and length");
+  TORCH_CHECK(k.size(3) == q.size(3), "q's head dim (", q.size(3), ") differs from k's (",
+              k.size(3), "): q ", q.sizes(), ", k ", k.sizes());
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  TORCH_CHECK((Hkv > 0 && H % Hkv == 0) || (Hkv == 0 && H == 0), "the query heads (", H,
+              ") must be a multiple of the key/value heads (", Hkv, "): q ", q.sizes(), ", k ",
+              k.sizes());
+}
+
+inline Dropout make_dropout(double p, int64_t seed) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_p must be in [0, 1), got ", p);
+  Dropout d;
+  d.on = p > 0.0;
+  d.seed = seed;
+  d.threshold = dropout_threshold(p);
+  d.inv_keep = 1.0 / (1.0 - p);
+  return d;
+}
+
+// t with a unit stride on its last dimension (a copy only when it has another).
+inline at::Tensor unit_last(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+inline Strided4 strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+inline std::vector<int64_t> query_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
+  const int64_t nqb = ceil_div(lq, bq);
+  std::vector<int64_t> work(nqb);
+  for (int64_t qb = 0; qb < nqb; ++qb) {
+    work[qb] = key_tiles(band, qb * bq, std::min(bq, lq - qb * bq), lk, bk);
+  }
+  return order_by_work(nqb, work);
+}
+
+inline std::vector<int64_t> key_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
+  const int64_t nkb = ceil_div(lk, bk);
+  std::vector<int64_t> work(nkb);
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    work[kb] = query_tiles(band, kb * bk, std::min(bk, lk - kb * bk), lq, bq);
+  }
+  return order_by_work(nkb, work);
+}
+
+// `t` itself when T is A (outputs written in place), else a contiguous A tensor of its shape to be
+// copied into it afterwards.
+template <class T, class A>
+at::Tensor acc_output(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, A>) {
+    return t;
+  } else {
+    return at::empty(t.sizes(), t.options().dtype(c10::CppTypeToScalarType<A>::value));
+  }
+}
+
+}  // namespace cpu_attention
+}  // namespace
+}  // namespace fastattn
