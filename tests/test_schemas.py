@@ -26,13 +26,15 @@ def _normalized(op) -> str:
 PAIRS = [
     (op, part)
     for op, d in sorted(_library.DEFINED.items())
-    for part in ("fwd", "bwd")
+    for part in ("fwd", "bwd", "jvp")
     if d.cpp is not None and d.triton is not None and getattr(d.cpp, part) is not None
 ]
 
 
 def test_every_op_is_defined_once_for_every_backend():
-    assert {"softmax", "layer_norm", "ffn", "rope", "varlen_attention", "paged_attention"} <= set(_library.DEFINED)
+    assert {"attention", "softmax", "layer_norm", "ffn", "rope", "varlen_attention", "paged_attention"} <= set(
+        _library.DEFINED
+    )
     for op, d in _library.DEFINED.items():
         assert "naive" in backends.implementations(op), op
 
@@ -118,3 +120,22 @@ def test_limits_are_checked_with_the_call_facts():
 def test_register_backend_wants_a_callable():
     with pytest.raises(TypeError, match="must be callable"):
         backends.register_backend("softmax", "probe3", None)
+
+
+def test_attention_limits_refuse_before_the_kernel():
+    if "triton" not in backends.available_backends():
+        pytest.skip("triton is not available")
+    q = torch.randn(1, 1, 2, 300)
+    with pytest.raises(ValueError, match="backend 'triton'.*cannot run attention: head dim 300 > 256"):
+        fastattn.attention(q, q, q, backend="triton")
+    # the automatic choice is never triton on a CPU tensor; the registry names who can
+    with pytest.raises(ValueError, match="backends that can: .*naive"):
+        backends.select("attention", torch.device("cpu"), "triton", torch.float32, head_dim=300)
+
+
+def test_cuda_attention_declares_16_bit_inputs_only():
+    if "attention" not in backends._REGISTRY["cuda"].impls:
+        pytest.skip("the extension has no CUDA kernels")
+    cap = backends.capability("attention", "cuda")
+    assert cap.dtypes == (torch.float16, torch.bfloat16)
+    assert cap.limits(head_dim=512) and cap.limits(head_dim=128, lq=1 << 30)

@@ -21,23 +21,30 @@ from fastattn import _extension, backends
 from fastattn.backends import interpreting
 
 
+_REBUILD = "rebuild it: pip install --no-build-isolation --no-deps -e ."
+
+
 @dataclass(frozen=True)
 class Compiled:
-    """The registered ops of one implementation (C++ or Triton) of an op: forward and backward
-    (None for a forward-only op)."""
+    """The registered ops of one implementation (C++ or Triton) of an op: forward, backward and
+    forward-mode derivative (None where the op has none)."""
 
     fwd: Callable
-    bwd: Callable | None
+    bwd: Callable | None = None
+    jvp: Callable | None = None
 
 
 @dataclass(frozen=True)
 class OpDef:
-    """What :func:`define_op` registered for one op: its C++ and Triton ops (None where absent)."""
+    """What :func:`define_op` registered for one op: its C++ and Triton ops (None where absent)
+    and, per compiled backend name, the ops that backend runs (``jvp`` None where its device has
+    no JVP kernel)."""
 
     op: str
     kernel: str
     cpp: Compiled | None
     triton: Compiled | None
+    compiled: dict[str, Compiled]
 
 
 #: Every op defined so far, by public op name (tests check the C++ and Triton schemas agree).
@@ -59,65 +66,85 @@ def define_op(
     kernel: str | None = None,
     fake_fwd: Callable,
     fake_bwd: Callable | None = None,
+    fake_jvp: Callable | None = None,
     setup_context: Callable | None = None,
     backward: Callable | None = None,
     triton_fwd: Callable | None = None,
     triton_bwd: Callable | None = None,
+    triton_jvp: Callable | None = None,
     naive: Callable | None = None,
     adapt: Callable[[Callable], Callable] = lambda fwd: fwd,
     caps: dict[str, dict] | None = None,
+    each_op: Callable[[Callable], None] | None = None,
 ) -> OpDef:
     """Register op ``op`` once for every backend.
 
-    - C++: ``fastattn::<kernel>_fwd`` (and ``_bwd`` when ``fake_bwd`` is given) from the extension,
-      with the fake impls; a missing extension leaves the cpu/cuda backends unavailable (they say
-      why), and an extension built before the op existed (stale) makes them refuse ``op`` with a
-      rebuild hint, the same way for every op.
-    - Triton (when triton is installed): the annotated launchers ``triton_fwd`` / ``triton_bwd``
-      become ``fastattn::triton_<kernel>_fwd`` / ``_bwd`` with the same fake impls.
-    - Autograd: ``backward(ops, ctx, *grads)`` with ``ops`` the :class:`Compiled` pair of the
+    - C++: ``fastattn::<kernel>_fwd`` (and ``_bwd`` / ``_jvp`` when ``fake_bwd`` / ``fake_jvp``
+      are given) from the extension, with the fake impls; a missing extension leaves the cpu/cuda
+      backends unavailable (they say why), and an extension built before the op existed (stale)
+      makes them refuse ``op`` (or its forward mode) with a rebuild hint, the same way for every op.
+    - Triton (when triton is installed): the annotated launchers ``triton_fwd`` / ``_bwd`` /
+      ``_jvp`` become ``fastattn::triton_<kernel>_fwd`` / ``_bwd`` / ``_jvp`` with the same fakes.
+    - Autograd: ``backward(ops, ctx, *grads)`` with ``ops`` the :class:`Compiled` ops of the
       implementation being differentiated, and ``setup_context``, on each forward op.
-    - Backends: ``naive`` (with forward-mode AD, ``"jvp"``: torch's own) and, wrapped by ``adapt(fwd_op)`` into the op's backend contract, the
-      C++ op for each device it has kernels for and the Triton op. ``caps`` maps a backend name to
-      its :class:`~fastattn.backends.Capability` keywords for this op.
+      ``each_op(op)`` runs once for every registered op (e.g. to register a vmap rule).
+    - Backends: ``naive`` (with forward-mode AD, ``"jvp"``: torch's own) and, wrapped by
+      ``adapt(fwd_op)`` into the op's backend contract, the C++ op for each device it has kernels
+      for and the Triton op, each declaring ``"jvp"`` when it has a JVP kernel. ``caps`` maps a
+      backend name to its :class:`~fastattn.backends.Capability` keywords for this op.
     """
     kernel = kernel or op
     caps = caps or {}
-    cpp = _define_cpp(op, kernel, fake_fwd, fake_bwd)
+    fakes = {"fwd": fake_fwd, "bwd": fake_bwd, "jvp": fake_jvp}
+    cpp = _define_cpp(op, kernel, fakes)
     triton = None
+    launchers = {"fwd": triton_fwd, "bwd": triton_bwd, "jvp": triton_jvp}
     if triton_fwd is not None and triton_installed():
-        triton = Compiled(
-            triton_op(f"triton_{kernel}_fwd", fake_fwd)(triton_fwd),
-            triton_op(f"triton_{kernel}_bwd", fake_bwd)(triton_bwd) if triton_bwd is not None else None,
-        )
-    for pair in (cpp, triton):
-        if pair is not None and backward is not None:
-            torch.library.register_autograd(pair.fwd, partial(backward, pair), setup_context=setup_context)
+        triton = Compiled(**{
+            part: triton_op(f"triton_{kernel}_{part}", fakes[part])(fn)
+            for part, fn in launchers.items() if fn is not None
+        })
+    for ops in (cpp, triton):
+        if ops is not None and backward is not None:
+            torch.library.register_autograd(ops.fwd, partial(backward, ops), setup_context=setup_context)
+        if ops is not None and each_op is not None:
+            for fn in (ops.fwd, ops.bwd, ops.jvp):
+                if fn is not None:
+                    each_op(fn)
+    compiled = {}
+    if cpp is not None:
+        with_jvp = cpp_backends(f"{kernel}_jvp") if cpp.jvp is not None else []
+        for name in cpp_backends(f"{kernel}_fwd"):
+            compiled[name] = Compiled(cpp.fwd, cpp.bwd, cpp.jvp if name in with_jvp else None)
+    if triton is not None:
+        compiled["triton"] = triton
     if naive is not None:  # eager torch: forward-mode AD is torch's own
         backends.register_backend(op, "naive", naive, **{"features": ("jvp",), **caps.get("naive", {})})
-    if cpp is not None:
-        for name in cpp_backends(f"{kernel}_fwd"):
-            backends.register_backend(op, name, adapt(cpp.fwd), **caps.get(name, {}))
-    if triton is not None:
-        backends.register_backend(op, "triton", adapt(triton.fwd), **caps.get("triton", {}))
-    DEFINED[op] = OpDef(op, kernel, cpp, triton)
+    for name, ops in compiled.items():
+        jvp = ("jvp",) if ops.jvp is not None else ()
+        backends.register_backend(op, name, adapt(ops.fwd), **{"features": jvp, **caps.get(name, {})})
+        if fake_jvp is not None and ops.jvp is None:
+            stale = name != "triton" and not hasattr(torch.ops.fastattn, f"{kernel}_jvp")
+            backends.note_missing_feature(op, name, "jvp", (
+                f"the loaded fastattn._C was built before fastattn::{kernel}_jvp existed; {_REBUILD}"
+                if stale else f"it has no forward-mode AD (JVP) kernel for {op}"))
+    DEFINED[op] = OpDef(op, kernel, cpp, triton, compiled)
     return DEFINED[op]
 
 
-def _define_cpp(op: str, kernel: str, fake_fwd: Callable, fake_bwd: Callable | None) -> Compiled | None:
+def _define_cpp(op: str, kernel: str, fakes: dict[str, Callable | None]) -> Compiled | None:
     if not _extension.loaded():
         return None
-    names = [f"{kernel}_fwd"] + ([f"{kernel}_bwd"] if fake_bwd is not None else [])
-    absent = [n for n in names if not hasattr(torch.ops.fastattn, n)]
+    absent = [f"{kernel}_{part}" for part in ("fwd", "bwd") if fakes[part] is not None
+              and not hasattr(torch.ops.fastattn, f"{kernel}_{part}")]
     if absent:
         for name in ("cpu", "cuda"):
-            backends.note_missing(
-                op, name, f"the loaded fastattn._C was built before fastattn::{absent[0]} existed; "
-                "rebuild it: pip install --no-build-isolation --no-deps -e ."
-            )
+            backends.note_missing(op, name, f"the loaded fastattn._C was built before fastattn::{absent[0]} existed; {_REBUILD}")
         return None
-    fwd = cpp_op(names[0], fake_fwd)
-    return Compiled(fwd, cpp_op(names[1], fake_bwd) if fake_bwd is not None else None)
+    return Compiled(**{
+        part: cpp_op(f"{kernel}_{part}", fake) for part, fake in fakes.items()
+        if fake is not None and hasattr(torch.ops.fastattn, f"{kernel}_{part}")
+    })
 
 
 def triton_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:

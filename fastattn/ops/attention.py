@@ -20,7 +20,6 @@ ops are called directly and their registered autograd (first order) applies.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Optional
 
@@ -30,7 +29,7 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    cpp_backends, cpp_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_op,
+    define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -190,63 +189,46 @@ def _fused_grads(bwd, dout, saved, args, need_dmask):
     return dq, dk, dv, None if dmask is None else dmask.to(mask.dtype)
 
 
-def _autograd(fwd, bwd) -> None:
-    if fwd is None:
-        return
-
-    def backward(ctx, dout, _dlse):
-        need_dmask = ctx.float_mask and ctx.needs_input_grad[3]
-        return (*_fused_grads(bwd, dout, ctx.saved_tensors, ctx.args, need_dmask), *(None,) * 6)
-
-    torch.library.register_autograd(fwd, backward, setup_context=_setup_context)
+def _backward(ops, ctx, dout, _dlse):
+    need_dmask = ctx.float_mask and ctx.needs_input_grad[3]
+    return (*_fused_grads(ops.bwd, dout, ctx.saved_tensors, ctx.args, need_dmask), *(None,) * 6)
 
 
-_cpp_fwd = cpp_op("attention_fwd", _fake_fwd)
-_cpp_bwd = cpp_op("attention_bwd", _fake_bwd)
-_autograd(_cpp_fwd, _cpp_bwd)
+def _triton_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor],
+    scale: float,
+    offset: int,
+    left: int,
+    right: int,
+    dropout_p: float,
+    seed: int,
+) -> tuple[Tensor, Tensor]:
+    return _kernels.attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
 
-_triton_fwd = _triton_bwd = None
-if importlib.util.find_spec("triton") is not None:
-    from fastattn.kernels import attention as _kernels
 
-    @triton_op("triton_attention_fwd", _fake_fwd)
-    def _triton_fwd(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Optional[Tensor],
-        scale: float,
-        offset: int,
-        left: int,
-        right: int,
-        dropout_p: float,
-        seed: int,
-    ) -> tuple[Tensor, Tensor]:
-        return _kernels.attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
-
-    @triton_op("triton_attention_bwd", _fake_bwd)
-    def _triton_bwd(
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        mask: Optional[Tensor],
-        scale: float,
-        offset: int,
-        left: int,
-        right: int,
-        dropout_p: float,
-        seed: int,
-        need_dmask: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        dq, dk, dv, dmask = _kernels.attention_backward(
-            dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed, need_dmask
-        )
-        return dq, dk, dv, dmask if dmask is not None else q.new_empty(0)
-
-    _autograd(_triton_fwd, _triton_bwd)
+def _triton_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: Optional[Tensor],
+    scale: float,
+    offset: int,
+    left: int,
+    right: int,
+    dropout_p: float,
+    seed: int,
+    need_dmask: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dmask = _kernels.attention_backward(
+        dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed, need_dmask
+    )
+    return dq, dk, dv, dmask if dmask is not None else q.new_empty(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,31 +240,24 @@ def _fake_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, drop
     return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=torch.float32)
 
 
-_cpp_jvp = cpp_op("attention_jvp", _fake_jvp) if cpp_backends("attention_jvp") else None
-
-_triton_jvp = None
-if _triton_fwd is not None:
-    from fastattn.kernels import attention_jvp as _jvp_kernels
-
-    @triton_op("triton_attention_jvp", _fake_jvp)
-    def _triton_jvp(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Optional[Tensor],
-        tq: Optional[Tensor],
-        tk: Optional[Tensor],
-        tv: Optional[Tensor],
-        tmask: Optional[Tensor],
-        scale: float,
-        offset: int,
-        left: int,
-        right: int,
-        dropout_p: float,
-        seed: int,
-    ) -> tuple[Tensor, Tensor]:
-        return _jvp_kernels.attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right,
-                                          dropout_p, seed)
+def _triton_jvp(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor],
+    tq: Optional[Tensor],
+    tk: Optional[Tensor],
+    tv: Optional[Tensor],
+    tmask: Optional[Tensor],
+    scale: float,
+    offset: int,
+    left: int,
+    right: int,
+    dropout_p: float,
+    seed: int,
+) -> tuple[Tensor, Tensor]:
+    return _jvp_kernels.attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right,
+                                      dropout_p, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,23 +391,42 @@ class _Attention(torch.autograd.Function):
         return jvp(q, k, v, mask, tq, tk, tv, tmask, *ctx.args)
 
 
-# name -> (fwd, bwd, jvp) of the compiled backends; the fused kernels run through _Attention.
-_COMPILED: dict[str, tuple] = {}
-for _name in cpp_backends("attention_fwd"):
-    _COMPILED[_name] = (_cpp_fwd, _cpp_bwd, _cpp_jvp if _name in cpp_backends("attention_jvp") else None)
-if _triton_fwd is not None:
-    _COMPILED["triton"] = (_triton_fwd, _triton_bwd, _triton_jvp)
-for _op in {id(op): op for ops in _COMPILED.values() for op in ops if op is not None}.values():
-    _fold_vmap_rule(_op)  # once per op (cpu and cuda share the C++ ops)
+def _within(max_head_dim: int, max_len: int | None = None):
+    """A backend's limits on the call (the facts the public function passes to select)."""
 
-backends.register_backend("attention", "naive", _naive)
-backends.register_feature("attention", "naive", "jvp")
-for _name, (_fwd, _, _jvp) in _COMPILED.items():
-    backends.register_backend("attention", _name, _fwd)
-    if _jvp is not None:
-        backends.register_feature("attention", _name, "jvp")
-    else:
-        backends.note_missing_feature("attention", _name, "jvp", "it has no forward-mode AD (JVP) kernel")
+    def limits(head_dim=None, head_dim_v=None, lq=None, lk=None, **_):
+        worst = max(head_dim or 0, head_dim_v or 0)
+        if worst > max_head_dim:
+            return f"head dim {worst} > {max_head_dim}"
+        if max_len is not None and max(lq or 0, lk or 0) > max_len:
+            return f"sequence length {max(lq, lk)} > {max_len}"
+        return None
+
+    return limits
+
+
+_kernels = triton_kernels("attention")
+_jvp_kernels = triton_kernels("attention_jvp")
+_DEFINED = define_op(
+    "attention",
+    fake_fwd=_fake_fwd,
+    fake_bwd=_fake_bwd,
+    fake_jvp=_fake_jvp,
+    setup_context=_setup_context,
+    backward=_backward,
+    triton_fwd=_triton_fwd,
+    triton_bwd=_triton_bwd,
+    triton_jvp=_triton_jvp,
+    naive=_naive,
+    caps={
+        "triton": dict(limits=_within(256)),  # kernels/attention.py _MAX_HEAD_DIM
+        # csrc/cuda/attention.cu: 16-bit inputs only, kMaxHeadDim, kMaxSeqLen
+        "cuda": dict(dtypes=(torch.float16, torch.bfloat16), limits=_within(256, 1 << 29)),
+    },
+    each_op=_fold_vmap_rule,
+)
+# name -> (fwd, bwd, jvp) of the compiled backends; the fused kernels run through _Attention.
+_COMPILED: dict[str, tuple] = {name: (c.fwd, c.bwd, c.jvp) for name, c in _DEFINED.compiled.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +521,9 @@ def attention(
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
     query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
     needs = forward_ad_needs(query, key, value, mask)
-    name, impl = backends.select("attention", query.device, backend, query.dtype, needs=needs)
+    name, impl = backends.select("attention", query.device, backend, query.dtype, needs=needs,
+                                 head_dim=query.shape[-1], head_dim_v=value.shape[-1],
+                                 lq=query.shape[2], lk=key.shape[2])
     args = (scale, offset, left, right, float(dropout_p), int(seed or 0))
     compiled = _COMPILED.get(name)
     if compiled is None or compiled[0] is not impl or torch.compiler.is_compiling():
