@@ -59,24 +59,32 @@ shows as a NaN in the program's output. Hence *detect, then recompute*:
   ``isnan`` + reduction over a [BLOCK, D] tile per program, then a uniform branch. No NaN: the
   result is exact (no pair outside the attended set touched it) and is stored;
 * a NaN (an attended one, or a leak): the program recomputes its block on the *careful* path
-  (``CAREFUL``, every tile treated as an edge tile): scores of the pairs not attended selected to
-  -inf (:func:`_attended`: bounds, band, bool mask, float mask -inf), P and dS selected to 0
-  there, and each contraction through :func:`_masked_dot`: a tensor-core dot over the finite
-  part of its second operand plus a rank-1 term for each row of that operand holding a NaN or
-  inf (exact IEEE over the attended pairs only). dS for the float-mask gradient is re-stored.
-  The row max needs no NaN handling: a NaN score's own P is ``exp2(NaN - m)`` = NaN whatever the
-  max did with it, so l, lse and O of that row are NaN; an empty row is ``l == 0``.
+  (``CAREFUL`` tile steps; :func:`_fwd_careful`, :func:`_dkdv_careful`, :func:`_dq_careful`),
+  in pieces of 16 rows (dK/dV: 16 keys) by 16-wide tiles on the pointer path, so that its live
+  values stay below the fast loop's: scores of the pairs not attended selected to -inf
+  (:func:`_attended`: bounds, band, bool mask, float mask -inf), P and dS selected to 0 there,
+  dropout applied as the product P Z (IEEE: NaN * 0 is NaN), and each contraction through
+  :func:`_masked_dot`: a tensor-core dot over the finite part of its second operand plus a
+  rank-1 term for each row of that operand holding a NaN or inf (exact IEEE over the attended
+  pairs only). dS for the float-mask gradient is re-stored. The row max needs no NaN handling:
+  a NaN score's own P is ``exp2(NaN - m)`` = NaN whatever the max did with it, so l, lse and O
+  of that row are NaN; an empty row is ``l == 0``;
+* warp-specialized forward configs cannot hold the careful loops (Triton then does not
+  specialize the kernel): they store their result unchecked, and when the autotuner picked one,
+  :func:`attention_forward` follows with a ``FIXUP`` launch of the same kernel that re-reads
+  each block's O and recomputes the blocks holding a NaN (one more launch and one read of O, on
+  that path only).
 
 Cost (predicted): the common path (no NaN in the outputs) adds no MMA, no load and no per-tile
 work, only the check above once per program: about 3 operations on each of BLOCK_M x Dv values
 against about 8 on each of BLOCK_M x BLOCK_N scores per key tile, i.e. 3 Dv / (8 BLOCK_N T)
 of the loop's element-wise work for T key tiles: ~1% at Lk = 4096 (D 128, 64-key tiles), more
 only where there are few tiles (decoding), where the kernel is bound by loading K and V anyway.
-Registers: the careful branch is compiled into the same kernel; its live set is the fast
-loop's with one more [BLOCK_M, BLOCK_N] selector (fastattn.aot reports both). A block
-whose output holds a NaN pays its fast pass plus a careful pass (about 2x, plus BLOCK x D work
-per non-finite row of a tile): the price falls only on inputs that already hold NaN or inf. No
-host synchronisation; nothing at launch changes (torch.compile and fake tensors trace as before).
+Registers: the careful branch is compiled into the same kernel; fastattn.aot reports the
+counts (docs/numerics.md lists them before and after). A block whose output holds a NaN pays
+its fast pass plus a careful pass at small-tile speed (several times the block's fast cost):
+the price falls only on inputs that already hold NaN or inf. No host synchronisation; nothing
+at launch changes (torch.compile and fake tensors trace as before).
 
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
 IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
@@ -581,7 +589,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_d
                 BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
                 DOT_PRECISION, BLOCK_N, EDGE, USE_TMA, CAREFUL)
     else:
-        for t in range(t_begin, t_end):
+        for t in tl.range(t_begin, t_end, num_stages=1 if CAREFUL else None):
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv,
                 n_base + t * BLOCK_N, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq,
@@ -618,12 +626,12 @@ def _attn_fwd_kernel(
     k_src = _rows_source(k_base, Lk, stride_k_n, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     v_src = _rows_source(v_base, Lk, stride_v_n, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
-    row_ok = offs_m < Lq
-    q_base = Q + b * stride_q_b + h * stride_q_h
-    out_base = Out + b * stride_o_b + h * stride_o_h
-    lse_base = Lse + bh.to(tl.int64) * Lq
     if FIXUP:
         # After a warp-specialized run (attention_forward): its output, checked as below.
+        row_ok = offs_m < Lq
+        q_base = Q + b * stride_q_b + h * stride_q_h
+        out_base = Out + b * stride_o_b + h * stride_o_h
+        lse_base = Lse + bh.to(tl.int64) * Lq
         out = tl.load(out_base + offs_m[:, None] * stride_o_m + offs_dv[None, :],
                       mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         if _any_nan(out.to(tl.float32), row_ok):
@@ -633,7 +641,8 @@ def _attn_fwd_kernel(
                          rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL,
                          LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_M)
     else:
-        q_src = _rows_source(q_base, Lq, stride_q_m, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, USE_TMA)
         q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True,
                        USE_TMA)
 
@@ -671,6 +680,11 @@ def _attn_fwd_kernel(
                 DOT_PRECISION, BLOCK_N, True, USE_TMA, False)
 
         out, lse = _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT)
+        # (bases computed after the loop: nothing more lives across it than before)
+        row_ok = offs_m < Lq
+        q_base = Q + b * stride_q_b + h * stride_q_h
+        out_base = Out + b * stride_o_b + h * stride_o_h
+        lse_base = Lse + bh.to(tl.int64) * Lq
         if WARP_SPECIALIZE:
             # The careful path's loops would stop Triton from specializing this one: it runs
             # in a FIXUP launch of this kernel when the autotuner picked such a config.
@@ -724,7 +738,7 @@ def _dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs
     """dK, dV of one key block over the query tiles ``t_begin <= t < t_end`` of one query
     head. CAREFUL (the NaN-safe path, every tile an edge tile): P and dS of the pairs not
     attended are selected to 0 and the dots skip them (:func:`_masked_dot`)."""
-    for t in range(t_begin, t_end):
+    for t in tl.range(t_begin, t_end, num_stages=1 if CAREFUL else None):
         m0 = m_base + t * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
@@ -920,7 +934,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m
               EDGE: tl.constexpr, USE_TMA: tl.constexpr, CAREFUL: tl.constexpr = False):
     """dQ (and dS when NEED_DMASK) of one query block over the key tiles ``t_begin <= t <
     t_end``. CAREFUL: as in :func:`_dkdv_tiles`."""
-    for t in range(t_begin, t_end):
+    for t in tl.range(t_begin, t_end, num_stages=1 if CAREFUL else None):
         n0 = n_base + t * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_tile(k_src, n0, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)

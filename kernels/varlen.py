@@ -324,6 +324,30 @@ def _paged_rows(Cache, Table, b_table, offs_n, n_valid, hkv, offs_d, stride_c_bl
 
 
 @triton.jit
+def _paged_queries(Q, b, hkv, GROUP, Lq, offs_r, offs_d, stride_q_b, stride_q_h, stride_q_m,
+                   HEAD_DIM: tl.constexpr):
+    """The query rows offs_r of one sequence's GQA group (row r: query head hkv * GROUP +
+    r // Lq, query row r % Lq): (q tile, row index i, head h, row valid)."""
+    row_ok = offs_r < GROUP * Lq
+    offs_i = offs_r % Lq
+    h = hkv * GROUP + (offs_r // Lq).to(tl.int64)
+    q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + offs_i[:, None] * stride_q_m
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    return q, offs_i, h, row_ok
+
+
+@triton.jit
+def _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out, lse,
+                 row_ok, HEAD_DIM_V: tl.constexpr):
+    """Store one split's partial O and lse of the rows (h, offs_i): (B, H, Lq, num_splits[,
+    Dv]) float32."""
+    part = ((b * H + h) * Lq + offs_i) * num_splits + split
+    tl.store(OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LsePart + part, lse, mask=row_ok)
+
+
+@triton.jit
 def _paged_tiles(q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, n_end, Lq,
                  stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot,
                  stride_vc_h, BLOCK_SIZE, qk_scale, band_lo, band_hi, HEAD_DIM: tl.constexpr,
@@ -335,7 +359,7 @@ def _paged_tiles(q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for n0 in range(n_lo, n_end, BLOCK_N):
+    for n0 in tl.range(n_lo, n_end, BLOCK_N, num_stages=1 if CAREFUL else None):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _paged_rows(KC, Table, b_table, offs_n, n_end, hkv, offs_d, stride_kc_blk,
                         stride_kc_slot, stride_kc_h, BLOCK_SIZE, HEAD_DIM)
@@ -381,15 +405,11 @@ def _paged_fwd_kernel(
     Lk = tl.load(Seqlens + b)
     band_lo, band_hi = _seq_band(Lq, Lk, left, right, BOTTOM_RIGHT)
 
-    # Rows r of the group: query head hkv * GROUP + r // Lq, query row r % Lq.
     offs_r = r0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_r < GROUP * Lq
-    offs_i = offs_r % Lq
-    h = hkv * GROUP + (offs_r // Lq).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + offs_i[:, None] * stride_q_m
-                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q, offs_i, h, row_ok = _paged_queries(Q, b, hkv, GROUP, Lq, offs_r, offs_d, stride_q_b,
+                                          stride_q_h, stride_q_m, HEAD_DIM)
 
     # Keys of this split that some query row (0 <= i < Lq) may see.
     n_lo = tl.maximum(tl.maximum(split * split_len, band_lo), 0)
@@ -402,17 +422,21 @@ def _paged_fwd_kernel(
         stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot, stride_vc_h, BLOCK_SIZE,
         qk_scale, band_lo, band_hi, HEAD_DIM, HEAD_DIM_V, BLOCK_DV, LO_BOUNDED, HI_BOUNDED,
         DOT_PRECISION, BLOCK_M, BLOCK_N, False)
-    if _any_nan(out, row_ok):  # the NaN rule: kernels.attention's careful path
-        out, lse = _paged_tiles(
-            q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, n_end, Lq,
-            stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot,
-            stride_vc_h, BLOCK_SIZE, qk_scale, band_lo, band_hi, HEAD_DIM, HEAD_DIM_V, BLOCK_DV,
-            LO_BOUNDED, HI_BOUNDED, DOT_PRECISION, BLOCK_M, BLOCK_N, True)
-    # Partials (B, H, Lq, num_splits[, Dv]), float32.
-    part = ((b * H + h) * Lq + offs_i) * num_splits + split
-    tl.store(OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
-             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    tl.store(LsePart + part, lse, mask=row_ok)
+    if _any_nan(out, row_ok):  # the NaN rule: kernels.attention's careful path, 16 x 16
+        for r in range(0, BLOCK_M, 16):
+            q, offs_i, h, row_ok = _paged_queries(Q, b, hkv, GROUP, Lq,
+                                                  r0 + r + tl.arange(0, 16), offs_d, stride_q_b,
+                                                  stride_q_h, stride_q_m, HEAD_DIM)
+            out, lse = _paged_tiles(
+                q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, n_end, Lq,
+                stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot,
+                stride_vc_h, BLOCK_SIZE, qk_scale, band_lo, band_hi, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_DV, LO_BOUNDED, HI_BOUNDED, DOT_PRECISION, 16, 16, True)
+            _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out,
+                         lse, row_ok, HEAD_DIM_V)
+    else:
+        _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out, lse,
+                     row_ok, HEAD_DIM_V)
 
 
 # ---------------------------------------------------------------------------------------------
