@@ -174,6 +174,9 @@ _DQ_CONFIGS = _configs(
 # 64x64 w8 = 112, dK/dV 32x32 w8 = 136 and dQ 64x64 w8 = 160 spilled 4-104 B).
 _VALUES_PER_THREAD = {"fwd": 160, "dkdv": 136, "dq": 160}
 _POINTER_WIDE = 0.65
+# The forward on the pointer path, less: its NaN-rule branch (the careful path, module docstring)
+# costs the D64 128x64 w4 config (160, 255 registers before the branch) 4-28 B of spills.
+_FWD_POINTER_VALUES = 150
 # Shared memory a block may have on sm_90 (227 KiB): the streamed tiles times num_stages plus the
 # resident ones (bf16 D256 dQ 64x64 with 3 stages asked 257 KiB and cannot launch).
 _SHARED_BYTES = 227 * 1024
@@ -210,8 +213,9 @@ def _plain_copy(config):
 def _prune(configs, named_args, kernel, **kwargs):
     """Configs of ``kernel`` ("fwd", "dkdv", "dq") worth timing for this launch: query tiles not
     much taller than Lq (decoding), live values per thread within the kernel's register budget
-    (:data:`_VALUES_PER_THREAD`, less on the pointer path at head dims > 128; no spills), tiles
-    within the shared memory of a block, more than one stage unless the head dim is > 128.
+    (:data:`_VALUES_PER_THREAD`; less on the pointer path at head dims > 128, and for its
+    forward; no spills), tiles within the shared memory of a block, more than one stage unless
+    the head dim is > 128.
     Warp-specialized configs (Triton places their registers itself; fastattn.aot checks them)
     stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
     specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
@@ -234,6 +238,8 @@ def _prune(configs, named_args, kernel, **kwargs):
                              args["BLOCK_DV"], elem_bytes, c.num_stages) <= _SHARED_BYTES
 
     limit = _VALUES_PER_THREAD[kernel] * (_POINTER_WIDE if wide and not args["USE_TMA"] else 1)
+    if kernel == "fwd" and not args["USE_TMA"]:
+        limit = min(limit, _FWD_POINTER_VALUES)
     plain = ([c for c in configs if not c.kwargs.get("WARP_SPECIALIZE", False)]
              or [_plain_copy(c) for c in configs])  # WS-only lists run as the plain loop
     kept = [c for c in plain
@@ -406,8 +412,11 @@ def _masked_dot(acc, a, b, allowed, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.con
 
 @triton.jit
 def _any_nan(x, rows_ok):
-    """Whether the [R, C] tile x holds a NaN in a row where rows_ok (a scalar bool)."""
-    return tl.max(tl.max(tl.where(rows_ok[:, None] & (x != x), 1, 0), 1), 0) > 0
+    """Whether the [R, C] tile x holds a NaN in a row where rows_ok (a scalar bool), tested on
+    the row sums: a NaN makes its row's sum NaN (so does a +inf with a -inf, which only costs a
+    needless careful pass). Sums, not a per-element test: no [R, C] temporary."""
+    row = tl.sum(x, 1)
+    return tl.max(tl.where(rows_ok & (row != row), 1, 0), 0) > 0
 
 
 @triton.jit

@@ -264,3 +264,32 @@ def test_nan_rule_paged(backend, device):
                                      seqlens.numpy(), causal="bottom_right")
     assert np.isnan(want[0][1, :, 2, 5]).all() and not np.isnan(np.delete(want[0], 5, -1)).any()
     _assert_matches([out, lse], list(want), torch.float32)
+
+
+def test_nan_rule_warp_specialized_fixup(monkeypatch):
+    """A warp-specialized forward config cannot hold the careful branch; when the autotuner runs
+    one, a FIXUP launch recomputes the blocks whose output holds a NaN (kernels/attention.py)."""
+    import triton
+
+    from fastattn.kernels import attention as attn
+    if not (attn._HAS_DESCRIPTORS and attn._HAS_WARP_SPECIALIZE):
+        pytest.skip("this Triton lacks descriptors or warp specialization")
+    if torch.cuda.is_available() and not attn._hopper_or_newer():
+        pytest.skip("warp specialization is only tried on Hopper and newer")
+    monkeypatch.setattr(attn, "TMA", "1")
+    monkeypatch.setattr(attn, "_disabled", {})
+    bm, bn, warps, stages = (16, 16, 4, 1) if attn._INTERPRET else (128, 64, 4, 3)
+    config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": True},
+                           num_warps=warps, num_stages=stages)
+    monkeypatch.setattr(attn._attn_fwd_kernel, "configs", [config])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(3))
+    v[0, 0, 20, 3] = NAN  # the causal rows 16..19 of its tile do not attend it
+    out, lse = attn.attention_forward(q.to(device), k.to(device), v.to(device), None, 0.125,
+                                      *reference.structural_band(40, 40, True), 0.0, None)
+    want, want_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=0.125,
+                                         causal=True)
+    _assert_matches([out, lse], [want, want_lse], dtype)
+    assert attn._picked_warp_specialized() and attn._disabled == {}
