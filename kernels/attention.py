@@ -55,13 +55,14 @@ NaN a masked score picks up (``NaN + -inf`` of a float mask, ``exp2(-inf - NaN)`
 shows as a NaN in the program's output. Hence *detect, then recompute*:
 
 * the fast path is the tile loop above, unchanged. After it each program checks its output tile
-  (forward O; dK/dV kernel dK and dV; dQ kernel dQ) for a NaN in its valid rows: one
-  ``isnan`` + reduction over a [BLOCK, D] tile per program, then a uniform branch. No NaN: the
-  result is exact (no pair outside the attended set touched it) and is stored;
+  (forward O; dK/dV kernel dK and dV; dQ kernel dQ) for a NaN in its valid rows: the row sums
+  of a [BLOCK, D] tile (a NaN makes its row's sum NaN) and a reduction, once per program, then a
+  uniform branch. No NaN: the result is exact (no pair outside the attended set touched it) and
+  is stored;
 * a NaN (an attended one, or a leak): the program recomputes its block on the *careful* path
   (``CAREFUL`` tile steps; :func:`_fwd_careful`, :func:`_dkdv_careful`, :func:`_dq_careful`),
-  in pieces of 16 rows (dK/dV: 16 keys) by 16-wide tiles on the pointer path, so that its live
-  values stay below the fast loop's: scores of the pairs not attended selected to -inf
+  in pieces of 16 rows (dK/dV: 16 keys) by 16-wide tiles on the pointer path, so that few of
+  its values are live at once (whole blocks cost up to 100 registers more): scores of the pairs not attended selected to -inf
   (:func:`_attended`: bounds, band, bool mask, float mask -inf), P and dS selected to 0 there,
   dropout applied as the product P Z (IEEE: NaN * 0 is NaN), and each contraction through
   :func:`_masked_dot`: a tensor-core dot over the finite part of its second operand plus a
@@ -80,11 +81,20 @@ work, only the check above once per program: about 3 operations on each of BLOCK
 against about 8 on each of BLOCK_M x BLOCK_N scores per key tile, i.e. 3 Dv / (8 BLOCK_N T)
 of the loop's element-wise work for T key tiles: ~1% at Lk = 4096 (D 128, 64-key tiles), more
 only where there are few tiles (decoding), where the kernel is bound by loading K and V anyway.
-Registers: the careful branch is compiled into the same kernel; fastattn.aot reports the
-counts (docs/numerics.md lists them before and after). A block whose output holds a NaN pays
-its fast pass plus a careful pass at small-tile speed (several times the block's fast cost):
-the price falls only on inputs that already hold NaN or inf. No host synchronisation; nothing
-at launch changes (torch.compile and fake tensors trace as before).
+Registers: the careful branch is compiled into the same kernel (measured below). A block whose
+output holds a NaN pays its fast pass plus a careful pass at small-tile speed (several times
+the block's fast cost): the price falls only on inputs that already hold NaN or inf. No host
+synchronisation; nothing at launch changes (torch.compile and fake tensors trace as before).
+
+Measured (``fastattn.aot --triton --quick``: sm_90, Triton 3.6, bf16 D64 / D128, L 4096, plain
+and causal; registers before -> after, 0 spills before and after in every row): forward on
+the descriptor path 195-206 -> 199-206 (D64), 149-156 -> 141-148 (D128), pointer path D128
+255 -> 255, warp-specialized 168 -> 168 (still specialized); the pointer-path D64 128x64 w4
+config (255 before) spilled 4-28 B with the branch and is pruned (``_FWD_POINTER_VALUES``), so
+128x64 w8 runs there (126). dK/dV 207-224 -> 205-242 (descriptor), 129-222 -> 166-209
+(pointer); dQ 122-136 -> 128-148 (descriptor), 126-187 -> 160-184 (pointer); packed kernels
+unchanged (255, 255, 168); paged 128 -> 149. Occupancy drops only for dQ at D64 (2 -> 1 CTA
+per SM on the pointer path and the causal descriptor path): to be timed on a GPU.
 
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
 IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is

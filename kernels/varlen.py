@@ -26,6 +26,10 @@ of splits fills the GPU (about two programs per SM), never more than the key til
 Tiles are fixed, not autotuned yet (see _tiles: chosen so that every kernel compiles for sm_90
 without register spills); the split merge runs as torch ops.
 
+NaN rule (docs/numerics.md): as the dense kernels, detect then recompute -- each program checks
+its output tile for a NaN and only then reruns its block on kernels.attention's careful path
+(_fwd_careful, _dkdv_careful, _dq_careful; paged: _paged_tiles with CAREFUL, 16 rows at a time).
+
 Precision: scores, statistics and accumulators float32, P and dS cast to the input dtype for the
 dots (float32 dots are IEEE); lse float32. Rows with nothing to attend: O = 0, lse = -inf,
 gradients 0. Limits: float16 / bfloat16 / float32, head dims <= 256, unit stride on the last
