@@ -229,7 +229,7 @@ def test_nan_rule_varlen(backend, device):
     k[5 + 6, :, 3] = NAN  # sequence 1, key 6: rows 6..8 of it attend it (causal)
     v[5 + 7, :, 2] = NAN  # sequence 1, key 7: rows 7, 8
     q[2, 1, 0] = NAN      # sequence 0, row 2, head 1
-    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
     qt, kt, vt = (t.clone().to(device).requires_grad_() for t in (q, k, v))
     out, lse = fastattn.varlen_attention(qt, kt, vt, cu.to(device), cu.to(device), causal=True,
                                          return_lse=True, backend=backend)
