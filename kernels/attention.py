@@ -1393,10 +1393,12 @@ def _fwd_fixup(args, consts, programs):
     """The careful pass of the NaN rule after a warp-specialized forward (which cannot hold it
     in its own program): a FIXUP launch of the forward kernel, 64-row blocks on the pointer
     path, that re-reads each block's output and recomputes only blocks that hold a NaN. Costs a
-    launch and one read of O, on that path only."""
+    launch and one read of O, on that path only. 8 warps: with 4 its careful branch spilled
+    12 B at D128 (fastattn.aot on the FIXUP variant: 112-122 registers, no spills at D64 and
+    D128; warp-specialized configs exist only up to D128)."""
     _attn_fwd_kernel.fn[(programs,)](
         *args, USE_TMA=False, FIXUP=True, BLOCK_M=64, BLOCK_N=64, WARP_SPECIALIZE=False,
-        num_warps=4, num_stages=1, **consts)
+        num_warps=8, num_stages=1, **consts)
 
 
 def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed,
