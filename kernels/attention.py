@@ -93,8 +93,9 @@ the descriptor path 195-206 -> 199-206 (D64), 149-156 -> 141-148 (D128), pointer
 config (255 before) spilled 4-28 B with the branch and is pruned (``_FWD_POINTER_VALUES``), so
 128x64 w8 runs there (126). dK/dV 207-224 -> 205-242 (descriptor), 129-222 -> 166-209
 (pointer); dQ 122-136 -> 128-148 (descriptor), 126-187 -> 160-184 (pointer); packed kernels
-unchanged (255, 255, 168); paged 128 -> 149. Occupancy drops only for dQ at D64 (2 -> 1 CTA
-per SM on the pointer path and the causal descriptor path): to be timed on a GPU.
+unchanged (255, 255, 168); paged 128 -> 149; the FIXUP launch 112-122. Occupancy drops only
+for dQ at D64 (2 -> 1 CTA per SM on the pointer path and the causal descriptor path): to be
+timed on a GPU, with the forward's D64 pointer-path config change.
 
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
 IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
