@@ -15,7 +15,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import to_numpy
 
-from conftest import backend_params
+from conftest import DEVICE, backend_params
 
 NAN = float("nan")
 
@@ -176,7 +176,8 @@ KERNEL_CASES = [
     # infinities: an inf v only some rows attend (theirs is inf or NaN, the others' finite)
     ("inf-window", 18, 18, 2, 2, False, (3, 0), None, 0.0,
      [("v", 6, 2, float("inf")), ("k", 10, 5, float("-inf"))]),
-    # a bottom-right band over more keys than queries; NaN in keys no row attends
+    # a bottom-right band over more keys than queries: keys 2, 3 no row attends, key 21 only
+    # the last row
     ("br-unattended", 5, 22, 2, 1, "bottom_right", (4, None), None, 0.0,
      [("k", 2, 0, NAN), ("v", 3, 3, NAN), ("v", 21, 1, NAN)]),
     # a float mask whose -inf entries cover NaN keys for some rows only
@@ -200,10 +201,10 @@ def test_nan_rule_triton_paths(case, triton_path):
         mask[..., :8, 4] = float("-inf")
         mask[..., 8:, 4] = 0.5
     args = dict(causal=causal, window=window, dropout_p=p, seed=5 if p else None)
-    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = fastattn.attention(qt, kt, vt, mask, enable_gqa=Hkv != H, return_lse=True,
-                                  backend="triton", **args)
-    grads = torch.autograd.grad(out, (qt, kt, vt), dout)
+    qt, kt, vt = (t.to(DEVICE).requires_grad_() for t in (q, k, v))
+    out, lse = fastattn.attention(qt, kt, vt, None if mask is None else mask.to(DEVICE),
+                                  enable_gqa=Hkv != H, return_lse=True, backend="triton", **args)
+    grads = torch.autograd.grad(out, (qt, kt, vt), dout.to(DEVICE))
     np_args = (to_numpy(q), to_numpy(k), to_numpy(v))
     np_mask = None if mask is None else to_numpy(mask)
     ref_kw = dict(mask=np_mask, enable_gqa=Hkv != H, **args)
@@ -282,8 +283,8 @@ def test_nan_rule_warp_specialized_fixup(monkeypatch):
     config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": True},
                            num_warps=warps, num_stages=stages)
     monkeypatch.setattr(attn._attn_fwd_kernel, "configs", [config])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device = DEVICE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(3))
     v[0, 0, 20, 3] = NAN  # the causal rows 16..19 of its tile do not attend it
