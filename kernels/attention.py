@@ -46,6 +46,57 @@ On it, the forward also autotunes warp-specialized variants of its interior key 
 Should Triton fail to build either feature on this GPU, it is switched off for the process
 (logged at debug level, reported by :func:`tma_status`) and the pointer kernels run instead.
 
+NaN rule (docs/numerics.md: an attended NaN propagates, a masked-out one never leaks). Pairs
+outside the attended set only meet other pairs in the contractions over keys (``P V``, ``dS K``)
+and over queries (``P^T dO``, ``dS^T Q``); everything else is per pair or per row. There a
+masked-out 0 of P or dS that meets a NaN or inf gives NaN (IEEE ``0 * NaN``), and a NaN survives
+every later step of an accumulation (``acc * alpha + x``, ``acc / l``, the store), as does the
+NaN a masked score picks up (``NaN + -inf`` of a float mask, ``exp2(-inf - NaN)``): a leak always
+shows as a NaN in the program's output. Hence *detect, then recompute*:
+
+* the fast path is the tile loop above, unchanged. After it each program checks its output tile
+  (forward O; dK/dV kernel dK and dV; dQ kernel dQ) for a NaN in its valid rows: the row sums
+  of a [BLOCK, D] tile (a NaN makes its row's sum NaN) and a reduction, once per program, then a
+  uniform branch. No NaN: the result is exact (no pair outside the attended set touched it) and
+  is stored;
+* a NaN (an attended one, or a leak): the program recomputes its block on the *careful* path
+  (``CAREFUL`` tile steps; :func:`_fwd_careful`, :func:`_dkdv_careful`, :func:`_dq_careful`),
+  in pieces of 16 rows (dK/dV: 16 keys) by 16-wide tiles on the pointer path, so that few of
+  its values are live at once (whole blocks cost up to 100 registers more): scores of the pairs not attended selected to -inf
+  (:func:`_attended`: bounds, band, bool mask, float mask -inf), P and dS selected to 0 there,
+  dropout applied as the product P Z (IEEE: NaN * 0 is NaN), and each contraction through
+  :func:`_masked_dot`: a tensor-core dot over the finite part of its second operand plus a
+  rank-1 term for each row of that operand holding a NaN or inf (exact IEEE over the attended
+  pairs only). dS for the float-mask gradient is re-stored. The row max needs no NaN handling:
+  a NaN score's own P is ``exp2(NaN - m)`` = NaN whatever the max did with it, so l, lse and O
+  of that row are NaN; an empty row is ``l == 0``;
+* warp-specialized forward configs cannot hold the careful loops (Triton then does not
+  specialize the kernel): they store their result unchecked, and when the autotuner picked one,
+  :func:`attention_forward` follows with a ``FIXUP`` launch of the same kernel that re-reads
+  each block's O and recomputes the blocks holding a NaN (one more launch and one read of O, on
+  that path only).
+
+Cost (predicted): the common path (no NaN in the outputs) adds no MMA, no load and no per-tile
+work, only the check above once per program: about 3 operations on each of BLOCK_M x Dv values
+against about 8 on each of BLOCK_M x BLOCK_N scores per key tile, i.e. 3 Dv / (8 BLOCK_N T)
+of the loop's element-wise work for T key tiles: ~1% at Lk = 4096 (D 128, 64-key tiles), more
+only where there are few tiles (decoding), where the kernel is bound by loading K and V anyway.
+Registers: the careful branch is compiled into the same kernel (measured below). A block whose
+output holds a NaN pays its fast pass plus a careful pass at small-tile speed (several times
+the block's fast cost): the price falls only on inputs that already hold NaN or inf. No host
+synchronisation; nothing at launch changes (torch.compile and fake tensors trace as before).
+
+Measured (``fastattn.aot --triton --quick``: sm_90, Triton 3.6, bf16 D64 / D128, L 4096, plain
+and causal; registers before -> after, 0 spills before and after in every row): forward on
+the descriptor path 195-206 -> 199-206 (D64), 149-156 -> 141-148 (D128), pointer path D128
+255 -> 255, warp-specialized 168 -> 168 (still specialized); the pointer-path D64 128x64 w4
+config (255 before) spilled 4-28 B with the branch and is pruned (``_FWD_POINTER_VALUES``), so
+128x64 w8 runs there (126). dK/dV 207-224 -> 205-242 (descriptor), 129-222 -> 166-209
+(pointer); dQ 122-136 -> 128-148 (descriptor), 126-187 -> 160-184 (pointer); packed kernels
+unchanged (255, 255, 168); paged 128 -> 149; the FIXUP launch 112-122. Occupancy drops only
+for dQ at D64 (2 -> 1 CTA per SM on the pointer path and the causal descriptor path): to be
+timed on a GPU, with the forward's D64 pointer-path config change.
+
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
 IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
 float32 (natural log). Fully masked rows give O = 0, lse = -inf and zero gradients, never NaN.
@@ -134,6 +185,9 @@ _DQ_CONFIGS = _configs(
 # 64x64 w8 = 112, dK/dV 32x32 w8 = 136 and dQ 64x64 w8 = 160 spilled 4-104 B).
 _VALUES_PER_THREAD = {"fwd": 160, "dkdv": 136, "dq": 160}
 _POINTER_WIDE = 0.65
+# The forward on the pointer path, less: its NaN-rule branch (the careful path, module docstring)
+# costs the D64 128x64 w4 config (160, 255 registers before the branch) 4-28 B of spills.
+_FWD_POINTER_VALUES = 150
 # Shared memory a block may have on sm_90 (227 KiB): the streamed tiles times num_stages plus the
 # resident ones (bf16 D256 dQ 64x64 with 3 stages asked 257 KiB and cannot launch).
 _SHARED_BYTES = 227 * 1024
@@ -170,8 +224,9 @@ def _plain_copy(config):
 def _prune(configs, named_args, kernel, **kwargs):
     """Configs of ``kernel`` ("fwd", "dkdv", "dq") worth timing for this launch: query tiles not
     much taller than Lq (decoding), live values per thread within the kernel's register budget
-    (:data:`_VALUES_PER_THREAD`, less on the pointer path at head dims > 128; no spills), tiles
-    within the shared memory of a block, more than one stage unless the head dim is > 128.
+    (:data:`_VALUES_PER_THREAD`; less on the pointer path at head dims > 128, and for its
+    forward; no spills), tiles within the shared memory of a block, more than one stage unless
+    the head dim is > 128.
     Warp-specialized configs (Triton places their registers itself; fastattn.aot checks them)
     stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
     specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
@@ -194,6 +249,8 @@ def _prune(configs, named_args, kernel, **kwargs):
                              args["BLOCK_DV"], elem_bytes, c.num_stages) <= _SHARED_BYTES
 
     limit = _VALUES_PER_THREAD[kernel] * (_POINTER_WIDE if wide and not args["USE_TMA"] else 1)
+    if kernel == "fwd" and not args["USE_TMA"]:
+        limit = min(limit, _FWD_POINTER_VALUES)
     plain = ([c for c in configs if not c.kwargs.get("WARP_SPECIALIZE", False)]
              or [_plain_copy(c) for c in configs])  # WS-only lists run as the plain loop
     kept = [c for c in plain
@@ -297,15 +354,80 @@ def _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, L
         else:
             s = s + mask.to(tl.float32) * _LOG2E
     if EDGE:
-        allowed = offs_n[None, :] < Lk
-        if CHECK_ROWS:
-            allowed = allowed & (offs_m[:, None] < Lq)
-        if LO_BOUNDED:
-            allowed = allowed & (offs_n[None, :] >= offs_m[:, None] + band_lo)
-        if HI_BOUNDED:
-            allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + band_hi)
+        allowed = _in_band(offs_m, offs_n, Lq, Lk, band_lo, band_hi, LO_BOUNDED, HI_BOUNDED,
+                           CHECK_ROWS)
         s = tl.where(allowed, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _in_band(offs_m, offs_n, Lq, Lk, band_lo, band_hi, LO_BOUNDED: tl.constexpr,
+             HI_BOUNDED: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: key in bounds (and row, when CHECK_ROWS) and inside the band."""
+    allowed = offs_n[None, :] < Lk
+    if CHECK_ROWS:
+        allowed = allowed & (offs_m[:, None] < Lq)
+    if LO_BOUNDED:
+        allowed = allowed & (offs_n[None, :] >= offs_m[:, None] + band_lo)
+    if HI_BOUNDED:
+        allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + band_hi)
+    return allowed
+
+
+@triton.jit
+def _attended(offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk, band_lo, band_hi,
+              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, LO_BOUNDED: tl.constexpr,
+              HI_BOUNDED: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: the pairs (i, j) with j in A_i (docs/numerics.md, NaN): row and
+    key in bounds, inside the band, bool mask True, float mask not -inf. The careful path's
+    selector (the fast path gets the same pairs from -inf scores)."""
+    allowed = _in_band(offs_m, offs_n, Lq, Lk, band_lo, band_hi, LO_BOUNDED, HI_BOUNDED, True)
+    if HAS_MASK:
+        mask_ptrs = mask_base + offs_m[:, None] * stride_mask_m + offs_n[None, :] * stride_mask_n
+        mask = tl.load(mask_ptrs, mask=allowed, other=0)
+        if MASK_BOOL:
+            allowed = allowed & (mask != 0)
+        else:
+            allowed = allowed & (mask.to(tl.float32) != float("-inf"))
+    return allowed
+
+
+@triton.jit
+def _masked_dot(acc, a, b, allowed, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + sum_k [allowed_ik] a_ik b_kd`` (a [M, BLOCK_K], b [BLOCK_K, D]) in which a pair
+    outside ``allowed`` is skipped, not multiplied by 0 (IEEE 0 * NaN is NaN). The finite part
+    of b goes through one tensor-core dot with a's skipped entries set to 0 (exact: 0 * finite
+    = 0); each row k of b that holds a non-finite value then adds, for its non-finite features
+    only, ``a_ik b_kd`` on the allowed rows i (an inf or NaN added to the finite sum gives what
+    IEEE summation in any order gives). The careful path's product; its rank-1 loop runs once
+    per non-finite row of b."""
+    a = tl.where(allowed, a, 0.0).to(b.dtype)
+    bf = b.to(tl.float32)
+    finite = bf * 0.0 == 0.0
+    acc += _dot(a, tl.where(finite, b, tl.zeros_like(b)), DOT_PRECISION)
+    offs_k = tl.arange(0, BLOCK_K)
+    bad = tl.max(tl.where(finite, 0, 1), 1)
+    n_bad = tl.sum(bad, 0)
+    while n_bad > 0:
+        k = tl.min(tl.where(bad > 0, offs_k, BLOCK_K), 0)
+        col = offs_k == k
+        a_k = tl.sum(tl.where(col[None, :], a.to(tl.float32), 0.0), 1)
+        ok_k = tl.max(tl.where(col[None, :] & allowed, 1, 0), 1) > 0
+        b_k = tl.sum(tl.where(col[:, None], bf, 0.0), 0)
+        acc += tl.where(ok_k[:, None] & (b_k * 0.0 != 0.0)[None, :], a_k[:, None] * b_k[None, :],
+                        0.0)
+        bad = tl.where(col, 0, bad)
+        n_bad -= 1
+    return acc
+
+
+@triton.jit
+def _any_nan(x, rows_ok):
+    """Whether the [R, C] tile x holds a NaN in a row where rows_ok (a scalar bool), tested on
+    the row sums: a NaN makes its row's sum NaN (so does a +inf with a -inf, which only costs a
+    needless careful pass). Sums, not a per-element test: no [R, C] temporary."""
+    row = tl.sum(x, 1)
+    return tl.max(tl.where(rows_ok & (row != row), 1, 0), 0) > 0
 
 
 @triton.jit
@@ -373,24 +495,38 @@ def _fwd_tile(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv
               BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
               LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
-              USE_TMA: tl.constexpr):
-    """One online-softmax step over the key tile starting at n0."""
+              USE_TMA: tl.constexpr, CAREFUL: tl.constexpr = False):
+    """One online-softmax step over the key tile starting at n0. CAREFUL (the NaN-safe path,
+    every tile an edge tile): scores and probabilities of the pairs not attended are selected
+    to -inf and 0, and ``p @ v`` skips them (:func:`_masked_dot`)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k = _load_tile(k_src, n0, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
     s = _scores(q, k, offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
                 qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
                 EDGE, False, DOT_PRECISION)
+    if CAREFUL:
+        allowed = _attended(offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
+                            band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED)
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
+    if CAREFUL:
+        p = tl.where(allowed, p, 0.0)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
-        p = tl.where(keep, p, 0.0)
+        if CAREFUL:  # P Z as IEEE gives it (NaN * 0 is NaN; the select differs only there)
+            p = p * keep.to(tl.float32)
+        else:
+            p = tl.where(keep, p, 0.0)
     v = _load_tile(v_src, n0, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE,
                    USE_TMA)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+    if CAREFUL:
+        acc = _masked_dot(acc * alpha[:, None], p, v, allowed, DOT_PRECISION, BLOCK_N)
+    else:
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -408,6 +544,50 @@ def _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(out_base, offs_m, stride_o_m, offs_dv, out, lse_base, lse, Lq,
+                HEAD_DIM_V: tl.constexpr):
+    """Store the rows offs_m (< Lq) of O (features < HEAD_DIM_V) and of lse."""
+    row_ok = offs_m < Lq
+    tl.store(out_base + offs_m[:, None] * stride_o_m + offs_dv[None, :],
+             out.to(out_base.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(lse_base + offs_m, lse, mask=row_ok)
+
+
+# The careful path runs in pieces of _CAREFUL x _CAREFUL (rows x keys) on the pointer path: its
+# live values stay far below the fast loop's, so the branch that holds it adds (almost) no
+# register to the kernel; it is only taken by blocks whose output holds a NaN.
+_CAREFUL = tl.constexpr(16)
+
+
+@triton.jit
+def _fwd_careful(q_base, stride_q_m, k_base, v_base, out_base, stride_o_m, lse_base, mask_base,
+                 m0, offs_d, offs_dv, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq,
+                 Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+                 LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The careful forward of the query block at m0 (BLOCK_M rows): O and lse of its rows,
+    written to out_base / lse_base (row i at ``i * stride_o_m`` and ``i``)."""
+    for r in range(0, BLOCK_M, _CAREFUL):
+        offs_m = m0 + r + tl.arange(0, _CAREFUL)
+        q = _load_rows(q_base, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True)
+        acc = tl.zeros([_CAREFUL, BLOCK_DV], dtype=tl.float32)
+        m_i = tl.full([_CAREFUL], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([_CAREFUL], dtype=tl.float32)
+        n_base, num, t1, t2 = _key_tiles(m0 + r, Lq, Lk, band_lo, band_hi, _CAREFUL, _CAREFUL)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, offs_dv, n_base, 0, num,
+            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
+            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, _CAREFUL, True, False,
+            False, True)
+        out, lse = _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT)
+        _store_rows(out_base, offs_m, stride_o_m, offs_dv, out, lse_base, lse, Lq, HEAD_DIM_V)
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base,
                t_begin, t_end, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk,
                qk_scale, band_lo, band_hi, seed, bh, threshold,
@@ -415,10 +595,11 @@ def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_d
                BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
                LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
-               USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+               USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+               CAREFUL: tl.constexpr = False):
     """Key tiles ``t_begin <= t < t_end``; WARP_SPECIALIZE asks Triton to split the loop into
     producer (TMA) and consumer warps (the keyword exists only in Triton >= 3.4, so the plain
-    loop never spells it)."""
+    loop never spells it); CAREFUL: see :func:`_fwd_tile`."""
     if WARP_SPECIALIZE:
         for t in tl.range(t_begin, t_end, warp_specialize=True):
             acc, m_i, l_i = _fwd_tile(
@@ -426,15 +607,15 @@ def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_d
                 n_base + t * BLOCK_N, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq,
                 Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
-                DOT_PRECISION, BLOCK_N, EDGE, USE_TMA)
+                DOT_PRECISION, BLOCK_N, EDGE, USE_TMA, CAREFUL)
     else:
-        for t in range(t_begin, t_end):
+        for t in tl.range(t_begin, t_end, num_stages=1 if CAREFUL else None):
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv,
                 n_base + t * BLOCK_N, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq,
                 Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
-                DOT_PRECISION, BLOCK_N, EDGE, USE_TMA)
+                DOT_PRECISION, BLOCK_N, EDGE, USE_TMA, CAREFUL)
     return acc, m_i, l_i
 
 
@@ -453,63 +634,93 @@ def _attn_fwd_kernel(
     BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
     LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FIXUP: tl.constexpr = False,
 ):
     bh, b, h, hkv, m0 = _query_block(H, GROUP, Lq, BLOCK_M)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_src = _rows_source(K + b * stride_k_b + hkv * stride_k_h, Lk, stride_k_n, HEAD_DIM,
-                         BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = _rows_source(V + b * stride_v_b + hkv * stride_v_h, Lk, stride_v_n, HEAD_DIM_V,
-                         BLOCK_N, BLOCK_DV, USE_TMA)
+    k_base = K + b * stride_k_b + hkv * stride_k_h
+    v_base = V + b * stride_v_b + hkv * stride_v_h
+    k_src = _rows_source(k_base, Lk, stride_k_n, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _rows_source(v_base, Lk, stride_v_n, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
-    q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM, BLOCK_M,
-                         BLOCK_D, USE_TMA)
-    q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True, USE_TMA)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
-    if WARP_SPECIALIZE:
-        # One loop over every key tile, each masked as an edge tile: Triton (3.6) cannot
-        # warp-specialize a loop that has sibling loops in the kernel.
-        acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, 0, num,
-            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
-            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, USE_TMA,
-            True)
+    if FIXUP:
+        # After a warp-specialized run (attention_forward): its output, checked as below.
+        row_ok = offs_m < Lq
+        q_base = Q + b * stride_q_b + h * stride_q_h
+        out_base = Out + b * stride_o_b + h * stride_o_h
+        lse_base = Lse + bh.to(tl.int64) * Lq
+        out = tl.load(out_base + offs_m[:, None] * stride_o_m + offs_dv[None, :],
+                      mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        if _any_nan(out.to(tl.float32), row_ok):
+            _fwd_careful(q_base, stride_q_m, k_base, v_base, out_base, stride_o_m, lse_base,
+                         mask_base, m0, offs_d, offs_dv, stride_k_n, stride_v_n, stride_mask_m,
+                         stride_mask_n, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh, threshold,
+                         rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL,
+                         LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_M)
     else:
-        acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, 0, t1,
-            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
-            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True,
-            USE_TMA, False)
-        acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t1, t2,
-            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
-            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False,
-            USE_TMA, False)
-        acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, t2, num,
-            stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo,
-            band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
-            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True,
-            USE_TMA, False)
+        q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, USE_TMA)
+        q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True,
+                       USE_TMA)
 
-    out, lse = _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
+        if WARP_SPECIALIZE:
+            # One loop over every key tile, each masked as an edge tile: Triton (3.6) cannot
+            # warp-specialize a loop that has sibling loops in the kernel.
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base, 0,
+                num, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
+                band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N,
+                True, USE_TMA, True)
+        else:
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base,
+                0, t1, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk,
+                qk_scale, band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
+                DOT_PRECISION, BLOCK_N, True, USE_TMA, False)
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base,
+                t1, t2, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk,
+                qk_scale, band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
+                DOT_PRECISION, BLOCK_N, False, USE_TMA, False)
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv, n_base,
+                t2, num, stride_k_n, stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk,
+                qk_scale, band_lo, band_hi, seed, bh, threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
+                DOT_PRECISION, BLOCK_N, True, USE_TMA, False)
 
-    row_ok = offs_m < Lq
-    out_ptrs = (Out + b * stride_o_b + h * stride_o_h
-                + offs_m[:, None] * stride_o_m + offs_dv[None, :])
-    tl.store(out_ptrs, out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    tl.store(Lse + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+        out, lse = _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT)
+        # (bases computed after the loop: nothing more lives across it than before)
+        row_ok = offs_m < Lq
+        q_base = Q + b * stride_q_b + h * stride_q_h
+        out_base = Out + b * stride_o_b + h * stride_o_h
+        lse_base = Lse + bh.to(tl.int64) * Lq
+        if WARP_SPECIALIZE:
+            # The careful path's loops would stop Triton from specializing this one: it runs
+            # in a FIXUP launch of this kernel when the autotuner picked such a config.
+            _store_rows(out_base, offs_m, stride_o_m, offs_dv, out, lse_base, lse, Lq,
+                        HEAD_DIM_V)
+        elif _any_nan(out, row_ok):
+            # A NaN in the block's output: an attended NaN, or a masked-out zero of P that met
+            # a non-finite v in the dot. Recompute the block on the careful path (docstring).
+            _fwd_careful(q_base, stride_q_m, k_base, v_base, out_base, stride_o_m, lse_base,
+                         mask_base, m0, offs_d, offs_dv, stride_k_n, stride_v_n, stride_mask_m,
+                         stride_mask_n, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh, threshold,
+                         rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL,
+                         LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_M)
+        else:
+            _store_rows(out_base, offs_m, stride_o_m, offs_dv, out, lse_base, lse, Lq,
+                        HEAD_DIM_V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,8 +754,11 @@ def _dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr,
                 MASK_BOOL: tl.constexpr, LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr,
                 HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                EDGE: tl.constexpr, USE_TMA: tl.constexpr):
-    for t in range(t_begin, t_end):
+                EDGE: tl.constexpr, USE_TMA: tl.constexpr, CAREFUL: tl.constexpr = False):
+    """dK, dV of one key block over the query tiles ``t_begin <= t < t_end`` of one query
+    head. CAREFUL (the NaN-safe path, every tile an edge tile): P and dS of the pairs not
+    attended are selected to 0 and the dots skip them (:func:`_masked_dot`)."""
+    for t in tl.range(t_begin, t_end, num_stages=1 if CAREFUL else None):
         m0 = m_base + t * BLOCK_M
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
@@ -557,17 +771,92 @@ def _dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs
                     qk_scale, band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
                     EDGE, True, DOT_PRECISION)
         p = tl.exp2(s - lse[:, None])
+        if CAREFUL:
+            allowed = _attended(offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
+                                band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED)
+            p = tl.where(allowed, p, 0.0)
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
-            p_drop = tl.where(keep, p * rcp_keep, 0.0)
-            dp = tl.where(keep, dp * rcp_keep, 0.0)
+            if CAREFUL:  # Z P and Z dP as IEEE gives them (NaN * 0 is NaN)
+                z = tl.where(keep, rcp_keep, 0.0)
+                p_drop = p * z
+                dp = dp * z
+            else:
+                p_drop = tl.where(keep, p * rcp_keep, 0.0)
+                dp = tl.where(keep, dp * rcp_keep, 0.0)
         else:
             p_drop = p
-        dv += _dot(tl.trans(p_drop.to(do.dtype)), do, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION)
+        if CAREFUL:
+            ds = tl.where(allowed, ds, 0.0)
+            dv = _masked_dot(dv, tl.trans(p_drop), do, tl.trans(allowed), DOT_PRECISION, BLOCK_M)
+            dk = _masked_dot(dk, tl.trans(ds), q, tl.trans(allowed), DOT_PRECISION, BLOCK_M)
+        else:
+            dv += _dot(tl.trans(p_drop.to(do.dtype)), do, DOT_PRECISION)
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION)
     return dk, dv
+
+
+@triton.jit
+def _store_dkdv(dk_base, dv_base, offs_n, stride_dk_n, stride_dv_n, offs_d, offs_dv, dk, dv,
+                scale, Lk, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """Store the rows offs_n (< Lk) of dK (times scale) and dV."""
+    row_ok = offs_n[:, None] < Lk
+    tl.store(dk_base + offs_n[:, None] * stride_dk_n + offs_d[None, :],
+             (dk * scale).to(dk_base.dtype.element_ty),
+             mask=row_ok & (offs_d[None, :] < HEAD_DIM))
+    tl.store(dv_base + offs_n[:, None] * stride_dv_n + offs_dv[None, :],
+             dv.to(dv_base.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dkdv_careful(q_base, stride_q_h, stride_q_m, do_base, stride_do_h, stride_do_m, lse_base,
+                  delta_base, stride_lse_h, k_base, v_base, stride_k_n, stride_v_n, dk_base,
+                  stride_dk_n, dv_base, stride_dv_n, mask_base, stride_mask_h, stride_mask_m,
+                  stride_mask_n, n0, bh0, GROUP, offs_d, offs_dv, Lq, Lk, scale, qk_scale,
+                  band_lo, band_hi, seed, threshold, rcp_keep, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, LO_BOUNDED: tl.constexpr,
+                  HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The careful dK/dV of the key block at n0 (BLOCK_N keys), _CAREFUL keys at a time over
+    the GROUP query heads whose q, dO, lse/delta rows and mask slice start at the ``*_base``
+    pointers (head g at ``g * stride_*_h``; its dropout stream is ``bh0 + g``)."""
+    for r in range(0, BLOCK_N, _CAREFUL):
+        offs_n = n0 + r + tl.arange(0, _CAREFUL)
+        k = _load_rows(k_base, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, True)
+        v = _load_rows(v_base, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, True)
+        dk = tl.zeros([_CAREFUL, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([_CAREFUL, BLOCK_DV], dtype=tl.float32)
+        m_base, num, t1, t2 = _query_tiles(n0 + r, Lq, Lk, band_lo, band_hi, _CAREFUL, _CAREFUL)
+        for g in range(0, GROUP):
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base + g * stride_q_h, do_base + g * stride_do_h,
+                lse_base + g * stride_lse_h, delta_base + g * stride_lse_h,
+                mask_base + g * stride_mask_h, offs_n, offs_d, offs_dv, m_base, 0, num,
+                stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
+                band_lo, band_hi, seed, bh0 + g, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
+                DOT_PRECISION, _CAREFUL, True, False, True)
+        _store_dkdv(dk_base, dv_base, offs_n, stride_dk_n, stride_dv_n, offs_d, offs_dv, dk, dv,
+                    scale, Lk, HEAD_DIM, HEAD_DIM_V)
+
+
+@triton.jit
+def _dkdv_head(Q, DOut, Lse, Delta, Mask, b, h, H, Lq, stride_q_b, stride_q_h, stride_q_m,
+               stride_do_b, stride_do_h, stride_do_m, stride_mask_b, stride_mask_h,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where the dK/dV kernel reads query head h of batch b: its ``bh``, q and dO row sources,
+    lse and delta rows, and mask slice."""
+    bh = b * H + h
+    q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM,
+                         BLOCK_M, BLOCK_D, USE_TMA)
+    do_src = _rows_source(DOut + b * stride_do_b + h * stride_do_h, Lq, stride_do_m,
+                          HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
+    return (bh, q_src, do_src, Lse + bh * Lq, Delta + bh * Lq,
+            Mask + b * stride_mask_b + h * stride_mask_h)
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=["lq_bucket", "lk_bucket", *_BAND_KEYS, "USE_TMA"],
@@ -600,10 +889,10 @@ def _attn_bwd_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_src = _rows_source(K + b * stride_k_b + hkv * stride_k_h, Lk, stride_k_n, HEAD_DIM,
-                         BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = _rows_source(V + b * stride_v_b + hkv * stride_v_h, Lk, stride_v_n, HEAD_DIM_V,
-                         BLOCK_N, BLOCK_DV, USE_TMA)
+    k_base = K + b * stride_k_b + hkv * stride_k_h
+    v_base = V + b * stride_v_b + hkv * stride_v_h
+    k_src = _rows_source(k_base, Lk, stride_k_n, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _rows_source(v_base, Lk, stride_v_n, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     k = _load_tile(k_src, n0, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, True, USE_TMA)
     v = _load_tile(v_src, n0, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, True,
                    USE_TMA)
@@ -613,15 +902,10 @@ def _attn_bwd_dkdv_kernel(
     m_base, num, t1, t2 = _query_tiles(n0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
 
     for g in range(0, GROUP):
-        h = hkv * GROUP + g
-        bh = b * H + h
-        q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, USE_TMA)
-        do_src = _rows_source(DOut + b * stride_do_b + h * stride_do_h, Lq, stride_do_m,
-                              HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
-        lse_ptr = Lse + bh * Lq
-        delta_ptr = Delta + bh * Lq
-        mask_base = Mask + b * stride_mask_b + h * stride_mask_h
+        bh, q_src, do_src, lse_ptr, delta_ptr, mask_base = _dkdv_head(
+            Q, DOut, Lse, Delta, Mask, b, hkv * GROUP + g, H, Lq, stride_q_b, stride_q_h,
+            stride_q_m, stride_do_b, stride_do_h, stride_do_m, stride_mask_b, stride_mask_h,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, USE_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_n, offs_d,
             offs_dv, m_base, 0, t1, stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq,
@@ -640,15 +924,23 @@ def _attn_bwd_dkdv_kernel(
             Lk, qk_scale, band_lo, band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED,
             HAS_DROPOUT, DOT_PRECISION, BLOCK_M, True, USE_TMA)
-
-    row_ok = offs_n[:, None] < Lk
-    dk_ptrs = (DK + b * stride_dk_b + hkv * stride_dk_h
-               + offs_n[:, None] * stride_dk_n + offs_d[None, :])
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty),
-             mask=row_ok & (offs_d[None, :] < HEAD_DIM))
-    dv_ptrs = (DV + b * stride_dv_b + hkv * stride_dv_h
-               + offs_n[:, None] * stride_dv_n + offs_dv[None, :])
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
+    dk_base = DK + b * stride_dk_b + hkv * stride_dk_h
+    dv_base = DV + b * stride_dv_b + hkv * stride_dv_h
+    if _any_nan(dk, offs_n < Lk) | _any_nan(dv, offs_n < Lk):
+        # A NaN in the block's dK or dV: recompute it on the careful path (module docstring).
+        h0 = hkv * GROUP
+        _dkdv_careful(
+            Q + b * stride_q_b + h0 * stride_q_h, stride_q_h, stride_q_m,
+            DOut + b * stride_do_b + h0 * stride_do_h, stride_do_h, stride_do_m,
+            Lse + (b * H + h0) * Lq, Delta + (b * H + h0) * Lq, Lq, k_base, v_base, stride_k_n,
+            stride_v_n, dk_base, stride_dk_n, dv_base, stride_dv_n,
+            Mask + b * stride_mask_b + h0 * stride_mask_h, stride_mask_h, stride_mask_m,
+            stride_mask_n, n0, b * H + h0, GROUP, offs_d, offs_dv, Lq, Lk, scale, qk_scale,
+            band_lo, band_hi, seed, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+            HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N)
+    else:
+        _store_dkdv(dk_base, dv_base, offs_n, stride_dk_n, stride_dv_n, offs_d, offs_dv, dk, dv,
+                    scale, Lk, HEAD_DIM, HEAD_DIM_V)
 
 
 @triton.jit
@@ -659,8 +951,10 @@ def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m
               BLOCK_DV: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
               LO_BOUNDED: tl.constexpr, HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               NEED_DMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-              EDGE: tl.constexpr, USE_TMA: tl.constexpr):
-    for t in range(t_begin, t_end):
+              EDGE: tl.constexpr, USE_TMA: tl.constexpr, CAREFUL: tl.constexpr = False):
+    """dQ (and dS when NEED_DMASK) of one query block over the key tiles ``t_begin <= t <
+    t_end``. CAREFUL: as in :func:`_dkdv_tiles`."""
+    for t in tl.range(t_begin, t_end, num_stages=1 if CAREFUL else None):
         n0 = n_base + t * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_tile(k_src, n0, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
@@ -673,13 +967,62 @@ def _dq_tiles(dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Lk, threshold)
-            dp = tl.where(keep, dp * rcp_keep, 0.0)
+            if CAREFUL:  # as in _dkdv_tiles
+                dp = dp * tl.where(keep, rcp_keep, 0.0)
+            else:
+                dp = tl.where(keep, dp * rcp_keep, 0.0)
         ds = p * (dp - delta[:, None])
+        if CAREFUL:
+            allowed = _attended(offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk,
+                                band_lo, band_hi, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED)
+            ds = tl.where(allowed, ds, 0.0)
         if NEED_DMASK:
             tl.store(dmask_base + offs_m[:, None] * Lk + offs_n[None, :], ds,
                      mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
-        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
+        if CAREFUL:
+            dq = _masked_dot(dq, ds, k, allowed, DOT_PRECISION, BLOCK_N)
+        else:
+            dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
     return dq
+
+
+@triton.jit
+def _store_dq(dq_base, offs_m, stride_dq_m, offs_d, dq, scale, Lq, HEAD_DIM: tl.constexpr):
+    """Store the rows offs_m (< Lq) of dQ (times scale)."""
+    tl.store(dq_base + offs_m[:, None] * stride_dq_m + offs_d[None, :],
+             (dq * scale).to(dq_base.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _dq_careful(q_base, stride_q_m, do_base, stride_do_m, lse_ptr, delta_ptr, k_base, v_base,
+                dq_base, stride_dq_m, mask_base, dmask_base, m0, offs_d, offs_dv, stride_k_n,
+                stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, scale, qk_scale, band_lo,
+                band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, LO_BOUNDED: tl.constexpr,
+                HI_BOUNDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_DMASK: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The careful dQ (and dS, when NEED_DMASK: whole rows, zeros outside the band) of the
+    query block at m0 (BLOCK_M rows), _CAREFUL rows at a time."""
+    for r in range(0, BLOCK_M, _CAREFUL):
+        offs_m = m0 + r + tl.arange(0, _CAREFUL)
+        q = _load_rows(q_base, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True)
+        do = _load_rows(do_base, offs_m, stride_do_m, offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, True)
+        lse = _load_vec(lse_ptr, offs_m, Lq, True)
+        lse = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+        delta = _load_vec(delta_ptr, offs_m, Lq, True)
+        if NEED_DMASK:
+            _store_zero_columns(dmask_base, offs_m, 0, Lk, Lq, Lk, _CAREFUL, _CAREFUL)
+        n_base, num, t1, t2 = _key_tiles(m0 + r, Lq, Lk, band_lo, band_hi, _CAREFUL, _CAREFUL)
+        dq = _dq_tiles(
+            tl.zeros([_CAREFUL, BLOCK_D], dtype=tl.float32), q, do, lse, delta, k_base, v_base,
+            mask_base, dmask_base, offs_m, offs_d, offs_dv, n_base, 0, num, stride_k_n,
+            stride_v_n, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale, band_lo, band_hi, seed,
+            bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+            MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK, DOT_PRECISION, _CAREFUL,
+            True, False, True)
+        _store_dq(dq_base, offs_m, stride_dq_m, offs_d, dq, scale, Lq, HEAD_DIM)
 
 
 @triton.jit
@@ -717,16 +1060,16 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_src = _rows_source(K + b * stride_k_b + hkv * stride_k_h, Lk, stride_k_n, HEAD_DIM,
-                         BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = _rows_source(V + b * stride_v_b + hkv * stride_v_h, Lk, stride_v_n, HEAD_DIM_V,
-                         BLOCK_N, BLOCK_DV, USE_TMA)
+    k_base = K + b * stride_k_b + hkv * stride_k_h
+    v_base = V + b * stride_v_b + hkv * stride_v_h
+    q_base = Q + b * stride_q_b + h * stride_q_h
+    do_base = DOut + b * stride_do_b + h * stride_do_h
+    k_src = _rows_source(k_base, Lk, stride_k_n, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _rows_source(v_base, Lk, stride_v_n, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_base = Mask + b * stride_mask_b + h * stride_mask_h
     dmask_base = DMask + bh.to(tl.int64) * Lq * Lk
-    q_src = _rows_source(Q + b * stride_q_b + h * stride_q_h, Lq, stride_q_m, HEAD_DIM, BLOCK_M,
-                         BLOCK_D, USE_TMA)
-    do_src = _rows_source(DOut + b * stride_do_b + h * stride_do_h, Lq, stride_do_m, HEAD_DIM_V,
-                          BLOCK_M, BLOCK_DV, USE_TMA)
+    q_src = _rows_source(q_base, Lq, stride_q_m, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+    do_src = _rows_source(do_base, Lq, stride_do_m, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
     q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, True, USE_TMA)
     do = _load_tile(do_src, m0, offs_m, stride_do_m, offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, True,
                     USE_TMA)
@@ -758,11 +1101,18 @@ def _attn_bwd_dq_kernel(
         _store_zero_columns(dmask_base, offs_m, 0, n_base, Lq, Lk, BLOCK_M, BLOCK_N)
         _store_zero_columns(dmask_base, offs_m, n_base + num * BLOCK_N, Lk, Lq, Lk, BLOCK_M,
                             BLOCK_N)
-
-    dq_ptrs = (DQ + b * stride_dq_b + h * stride_dq_h
-               + offs_m[:, None] * stride_dq_m + offs_d[None, :])
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+    dq_base = DQ + b * stride_dq_b + h * stride_dq_h
+    if _any_nan(dq, offs_m < Lq):
+        # A NaN in the block's dQ: recompute it (and dS) on the careful path (module docstring).
+        _dq_careful(q_base, stride_q_m, do_base, stride_do_m, Lse + bh.to(tl.int64) * Lq,
+                    Delta + bh.to(tl.int64) * Lq, k_base, v_base, dq_base, stride_dq_m,
+                    mask_base, dmask_base, m0, offs_d, offs_dv, stride_k_n, stride_v_n,
+                    stride_mask_m, stride_mask_n, Lq, Lk, scale, qk_scale, band_lo, band_hi, seed,
+                    bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, HAS_MASK,
+                    MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, NEED_DMASK, DOT_PRECISION,
+                    BLOCK_M)
+    else:
+        _store_dq(dq_base, offs_m, stride_dq_m, offs_d, dq, scale, Lq, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1023,9 +1373,33 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
         HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype),
     )
     kernel = torch.library.wrap_triton(_attn_fwd_kernel)[grid]
-    _launch(lambda use_tma: kernel(*args, USE_TMA=use_tma, **consts), _use_tma(q, k, v),
-            ws_candidate=not (has_mask or has_dropout))
+
+    def launch(use_tma):
+        kernel(*args, USE_TMA=use_tma, **consts)
+        if use_tma and _picked_warp_specialized():
+            _fwd_fixup(args, consts, triton.cdiv(Lq, 64) * B * H)
+
+    _launch(launch, _use_tma(q, k, v), ws_candidate=not (has_mask or has_dropout))
     return out, lse
+
+
+def _picked_warp_specialized():
+    """Whether the forward's autotuner ran a warp-specialized config last (never while
+    torch.compile traces: those configs need the descriptor path)."""
+    config = getattr(_attn_fwd_kernel, "best_config", None)
+    return config is not None and config.kwargs.get("WARP_SPECIALIZE", False)
+
+
+def _fwd_fixup(args, consts, programs):
+    """The careful pass of the NaN rule after a warp-specialized forward (which cannot hold it
+    in its own program): a FIXUP launch of the forward kernel, 64-row blocks on the pointer
+    path, that re-reads each block's output and recomputes only blocks that hold a NaN. Costs a
+    launch and one read of O, on that path only. 8 warps: with 4 its careful branch spilled
+    12 B at D128 (fastattn.aot on the FIXUP variant: 112-122 registers, no spills at D64 and
+    D128; warp-specialized configs exist only up to D128)."""
+    _attn_fwd_kernel.fn[(programs,)](
+        *args, USE_TMA=False, FIXUP=True, BLOCK_M=64, BLOCK_N=64, WARP_SPECIALIZE=False,
+        num_warps=8, num_stages=1, **consts)
 
 
 def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed,

@@ -26,6 +26,10 @@ of splits fills the GPU (about two programs per SM), never more than the key til
 Tiles are fixed, not autotuned yet (see _tiles: chosen so that every kernel compiles for sm_90
 without register spills); the split merge runs as torch ops.
 
+NaN rule (docs/numerics.md): as the dense kernels, detect then recompute -- each program checks
+its output tile for a NaN and only then reruns its block on kernels.attention's careful path
+(_fwd_careful, _dkdv_careful, _dq_careful; paged: _paged_tiles with CAREFUL, 16 rows at a time).
+
 Precision: scores, statistics and accumulators float32, P and dS cast to the input dtype for the
 dots (float32 dots are IEEE); lse float32. Rows with nothing to attend: O = 0, lse = -inf,
 gradients 0. Limits: float16 / bfloat16 / float32, head dims <= 256, unit stride on the last
@@ -49,14 +53,23 @@ from .attention import (
     _dot_precision,
     _dq_tiles,
     _dropout_args,
+    _any_nan,
+    _dkdv_careful,
+    _dq_careful,
+    _fwd_careful,
     _fwd_finish,
     _fwd_tiles,
     _head_block,
+    _in_band,
     _key_tiles,
     _load_rows,
     _load_vec,
+    _masked_dot,
     _query_tiles,
     _scores,
+    _store_dkdv,
+    _store_dq,
+    _store_rows,
 )
 
 # One fixed tile shape per kernel (no autotuning yet): 16 x 16 under the interpreter; on a GPU
@@ -148,12 +161,16 @@ def _varlen_fwd_kernel(
             HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, False, False)
 
         out, lse = _fwd_finish(acc, m_i, l_i, rcp_keep, HAS_DROPOUT)
-        row_ok = offs_m < Lq
-        rows = q_start + offs_m
-        out_ptrs = Out + rows[:, None] * stride_o_t + h.to(tl.int64) * stride_o_h + offs_dv[None, :]
-        tl.store(out_ptrs, out.to(Out.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-        tl.store(Lse + h.to(tl.int64) * total_q + rows, lse, mask=row_ok)
+        out_base = Out + q_start * stride_o_t + h.to(tl.int64) * stride_o_h
+        lse_base = Lse + h.to(tl.int64) * total_q + q_start
+        if _any_nan(out, offs_m < Lq):  # the NaN rule: kernels.attention's careful path
+            _fwd_careful(Q + q_start * stride_q_t + h.to(tl.int64) * stride_q_h, stride_q_t,
+                         k_src, v_src, out_base, stride_o_t, lse_base, Q, m0, offs_d, offs_dv,
+                         stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed,
+                         bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False,
+                         False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_M)
+        else:
+            _store_rows(out_base, offs_m, stride_o_t, offs_dv, out, lse_base, lse, Lq, HEAD_DIM_V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,12 +230,23 @@ def _varlen_dkdv_kernel(
                 band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                 BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION,
                 BLOCK_M, True, False)
-        rows = k_start + offs_n
-        row_ok = offs_n[:, None] < Lk
-        tl.store(DK + rows[:, None] * stride_dk_t + hkv * stride_dk_h + offs_d[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=row_ok & (offs_d[None, :] < HEAD_DIM))
-        tl.store(DV + rows[:, None] * stride_dv_t + hkv * stride_dv_h + offs_dv[None, :],
-                 dv.to(DV.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
+        dk_base = DK + k_start * stride_dk_t + hkv * stride_dk_h
+        dv_base = DV + k_start * stride_dv_t + hkv * stride_dv_h
+        if _any_nan(dk, offs_n < Lk) | _any_nan(dv, offs_n < Lk):  # the NaN rule: careful path
+            h0 = hkv * GROUP
+            _dkdv_careful(
+                Q + q_start * stride_q_t + h0 * stride_q_h, stride_q_h, stride_q_t,
+                DOut + q_start * stride_do_t + h0 * stride_do_h, stride_do_h, stride_do_t,
+                Lse + h0 * total_q + q_start, Delta + h0 * total_q + q_start, total_q,
+                K + k_start * stride_k_t + hkv * stride_k_h,
+                V + k_start * stride_v_t + hkv * stride_v_h, stride_k_t, stride_v_t, dk_base,
+                stride_dk_t, dv_base, stride_dv_t, Q, 0, 0, 0, n0, b * H + h0, GROUP, offs_d,
+                offs_dv, Lq, Lk, scale, qk_scale, band_lo, band_hi, seed, threshold, rcp_keep,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED,
+                HAS_DROPOUT, DOT_PRECISION, BLOCK_N)
+        else:
+            _store_dkdv(dk_base, dv_base, offs_n, stride_dk_t, stride_dv_t, offs_d, offs_dv, dk,
+                        dv, scale, Lk, HEAD_DIM, HEAD_DIM_V)
 
 
 @triton.jit(do_not_specialize=["seed", "threshold"])
@@ -270,10 +298,17 @@ def _varlen_dq_kernel(
             stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
             threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
             LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_N, True, False)
-        rows = q_start + offs_m
-        tl.store(DQ + rows[:, None] * stride_dq_t + h * stride_dq_h + offs_d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+        dq_base = DQ + q_start * stride_dq_t + h * stride_dq_h
+        if _any_nan(dq, offs_m < Lq):  # the NaN rule: kernels.attention's careful path
+            _dq_careful(Q + q_start * stride_q_t + h * stride_q_h, stride_q_t,
+                        DOut + q_start * stride_do_t + h * stride_do_h, stride_do_t,
+                        Lse + h * total_q + q_start, Delta + h * total_q + q_start, k_src, v_src,
+                        dq_base, stride_dq_t, Q, Q, m0, offs_d, offs_dv, stride_k_t, stride_v_t,
+                        0, 0, Lq, Lk, scale, qk_scale, band_lo, band_hi, seed, bh, threshold,
+                        rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
+                        LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_M)
+        else:
+            _store_dq(dq_base, offs_m, stride_dq_t, offs_d, dq, scale, Lq, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +325,67 @@ def _paged_rows(Cache, Table, b_table, offs_n, n_valid, hkv, offs_d, stride_c_bl
     rows = blk * stride_c_blk + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_c_slot + hkv * stride_c_h
     return tl.load(Cache + rows[:, None] + offs_d[None, :],
                    mask=valid[:, None] & (offs_d[None, :] < DIM), other=0.0)
+
+
+@triton.jit
+def _paged_queries(Q, b, hkv, GROUP, Lq, offs_r, offs_d, stride_q_b, stride_q_h, stride_q_m,
+                   HEAD_DIM: tl.constexpr):
+    """The query rows offs_r of one sequence's GQA group (row r: query head hkv * GROUP +
+    r // Lq, query row r % Lq): (q tile, row index i, head h, row valid)."""
+    row_ok = offs_r < GROUP * Lq
+    offs_i = offs_r % Lq
+    h = hkv * GROUP + (offs_r // Lq).to(tl.int64)
+    q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + offs_i[:, None] * stride_q_m
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    return q, offs_i, h, row_ok
+
+
+@triton.jit
+def _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out, lse,
+                 row_ok, HEAD_DIM_V: tl.constexpr):
+    """Store one split's partial O and lse of the rows (h, offs_i): (B, H, Lq, num_splits[,
+    Dv]) float32."""
+    part = ((b * H + h) * Lq + offs_i) * num_splits + split
+    tl.store(OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LsePart + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_tiles(q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, n_end, Lq,
+                 stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot,
+                 stride_vc_h, BLOCK_SIZE, qk_scale, band_lo, band_hi, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, LO_BOUNDED: tl.constexpr,
+                 HI_BOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CAREFUL: tl.constexpr):
+    """Online softmax over the cached keys [n_lo, n_end) of one split; (O, lse) of its rows.
+    CAREFUL: the NaN-safe path of kernels.attention (pairs outside the band skipped)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in tl.range(n_lo, n_end, BLOCK_N, num_stages=1 if CAREFUL else None):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _paged_rows(KC, Table, b_table, offs_n, n_end, hkv, offs_d, stride_kc_blk,
+                        stride_kc_slot, stride_kc_h, BLOCK_SIZE, HEAD_DIM)
+        s = _scores(q, k, offs_i, offs_n, KC, 0, 0, Lq, n_end, qk_scale, band_lo, band_hi,
+                    False, False, LO_BOUNDED, HI_BOUNDED, True, False, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        if CAREFUL:
+            allowed = _in_band(offs_i, offs_n, Lq, n_end, band_lo, band_hi, LO_BOUNDED,
+                               HI_BOUNDED, False)
+            p = tl.where(allowed, p, 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _paged_rows(VC, Table, b_table, offs_n, n_end, hkv, offs_dv, stride_vc_blk,
+                        stride_vc_slot, stride_vc_h, BLOCK_SIZE, HEAD_DIM_V)
+        if CAREFUL:
+            acc = _masked_dot(acc * alpha[:, None], p, v, allowed, DOT_PRECISION, BLOCK_N)
+        else:
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+        m_i = m_new
+    return _fwd_finish(acc, m_i, l_i, 1.0, False)
 
 
 @triton.jit
@@ -313,47 +409,38 @@ def _paged_fwd_kernel(
     Lk = tl.load(Seqlens + b)
     band_lo, band_hi = _seq_band(Lq, Lk, left, right, BOTTOM_RIGHT)
 
-    # Rows r of the group: query head hkv * GROUP + r // Lq, query row r % Lq.
     offs_r = r0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_r < GROUP * Lq
-    offs_i = offs_r % Lq
-    h = hkv * GROUP + (offs_r // Lq).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + offs_i[:, None] * stride_q_m
-                + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q, offs_i, h, row_ok = _paged_queries(Q, b, hkv, GROUP, Lq, offs_r, offs_d, stride_q_b,
+                                          stride_q_h, stride_q_m, HEAD_DIM)
 
     # Keys of this split that some query row (0 <= i < Lq) may see.
     n_lo = tl.maximum(tl.maximum(split * split_len, band_lo), 0)
     n_lo = (n_lo // BLOCK_N) * BLOCK_N
     n_end = tl.minimum(tl.minimum((split + 1) * split_len, Lk), Lq - 1 + band_hi + 1)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_table = b * stride_t_b
-    for n0 in range(n_lo, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _paged_rows(KC, Table, b_table, offs_n, n_end, hkv, offs_d, stride_kc_blk,
-                        stride_kc_slot, stride_kc_h, BLOCK_SIZE, HEAD_DIM)
-        s = _scores(q, k, offs_i, offs_n, Q, 0, 0, Lq, n_end, qk_scale, band_lo, band_hi, False,
-                    False, LO_BOUNDED, HI_BOUNDED, True, False, DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _paged_rows(VC, Table, b_table, offs_n, n_end, hkv, offs_dv, stride_vc_blk,
-                        stride_vc_slot, stride_vc_h, BLOCK_SIZE, HEAD_DIM_V)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
-
-    out, lse = _fwd_finish(acc, m_i, l_i, 1.0, False)
-    # Partials (B, H, Lq, num_splits[, Dv]), float32.
-    part = ((b * H + h) * Lq + offs_i) * num_splits + split
-    tl.store(OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out,
-             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    tl.store(LsePart + part, lse, mask=row_ok)
+    out, lse = _paged_tiles(
+        q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, n_end, Lq, stride_kc_blk,
+        stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot, stride_vc_h, BLOCK_SIZE,
+        qk_scale, band_lo, band_hi, HEAD_DIM, HEAD_DIM_V, BLOCK_DV, LO_BOUNDED, HI_BOUNDED,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, False)
+    if _any_nan(out, row_ok):  # the NaN rule: kernels.attention's careful path, 16 x 16
+        for r in range(0, BLOCK_M, 16):
+            q, offs_i, h, row_ok = _paged_queries(Q, b, hkv, GROUP, Lq,
+                                                  r0 + r + tl.arange(0, 16), offs_d, stride_q_b,
+                                                  stride_q_h, stride_q_m, HEAD_DIM)
+            out, lse = _paged_tiles(
+                q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, n_end, Lq,
+                stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot,
+                stride_vc_h, BLOCK_SIZE, qk_scale, band_lo, band_hi, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_DV, LO_BOUNDED, HI_BOUNDED, DOT_PRECISION, 16, 16, True)
+            _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out,
+                         lse, row_ok, HEAD_DIM_V)
+    else:
+        _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out, lse,
+                     row_ok, HEAD_DIM_V)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -316,6 +316,7 @@ def test_warp_specialized_only_configs_run_plain_where_not_allowed(monkeypatch):
     ("dkdv", torch.bfloat16, 64, (64, 128, 8), (32, 128, 8)),
     ("dq", torch.bfloat16, 128, (128, 64, 8), (128, 32, 8)),
     ("fwd", torch.bfloat16, 256, (64, 64, 8), (16, 64, 4)),  # pointer path, 256-wide pointers
+    ("fwd", torch.bfloat16, 64, (128, 64, 4), (128, 64, 8)),  # pointer path, with the NaN branch
 ])
 def test_pruner_drops_configs_that_spill(kernel, dtype, d, dropped, first):
     gpu = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": False}, num_warps=w,

@@ -15,27 +15,12 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import to_numpy
 
-from conftest import backend_params
+from conftest import DEVICE, backend_params
 
 NAN = float("nan")
 
 
 BACKENDS = backend_params("attention")
-
-# kernels/attention.py (being rewritten by the lead) does not hold the rule yet; found under the
-# Triton interpreter. docs/numerics.md ("NaN") lists what the kernel needs.
-TRITON_XFAIL = {
-    "q-row": "dS of a NaN row's masked-out entries is 0 * NaN (P = exp(-inf - NaN lse)) and the "
-             "masked zeros of dS meet the NaN q in tl.dot(dS^T, q): dk of keys the row does not attend is NaN",
-    "k-key": "masked-out zeros of dS meet the NaN k in tl.dot(dS, k): dq of rows that do not attend the key is NaN",
-    "v-key": "masked-out zeros of P meet the NaN v in tl.dot(p, v): out of rows that do not attend the key is NaN",
-    "padded-kv": "masked-out zeros of P meet the NaN v of the padding keys in tl.dot(p, v): that feature of every output row is NaN",
-    "float-mask-inf": "the float mask is added (NaN + -inf = NaN), not selected: rows with a -inf entry "
-                      "at the NaN key are NaN",
-    "dead-row-q": "a fully masked row's zero dS meets its NaN q in tl.dot(dS^T, q): dk is NaN",
-    "k-key-tiles": "masked-out zeros of dS meet the NaN k in tl.dot(dS, k) within the diagonal tile",
-}
-
 
 def _inputs(B, H, L, D, g, dtype, device):
     mk = lambda: torch.randn(B, H, L, D, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
@@ -119,10 +104,8 @@ def _mask(kind, B, H, L):
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_nan_rule(backend, device, dtype, case, request):
+def test_nan_rule(backend, device, dtype, case):
     name, L, causal, kind, nans = case
-    if backend == "triton" and name in TRITON_XFAIL:
-        request.node.add_marker(pytest.mark.xfail(reason="kernels/attention.py: " + TRITON_XFAIL[name]))
     B, H, D = 1, 2, 16
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = _inputs(B, H, L, D, g, dtype, "cpu")
@@ -170,3 +153,144 @@ def _check_rule(name, L, ref):
         assert np.isnan(dq).all() and np.isnan(dk).all() and np.isnan(dv).all()
     elif name == "k-key-tiles":
         assert (_rows(dq) == (idx >= 70)).all() and (_rows(out) == (idx >= 70)).all()
+
+
+# --- The Triton kernels' own paths: GQA, dropout, the descriptor (TMA) path, infinities --------
+
+@pytest.fixture(params=["pointer", "tma"])
+def triton_path(request, monkeypatch):
+    from fastattn.kernels import attention as attn
+    if request.param == "tma" and not attn._HAS_DESCRIPTORS:
+        pytest.skip("this Triton has no tl.make_tensor_descriptor")
+    monkeypatch.setattr(attn, "TMA", "1" if request.param == "tma" else "0")
+    monkeypatch.setattr(attn, "_disabled", {})
+    yield request.param
+    assert attn._disabled == {}, f"the descriptor path failed: {attn._disabled}"
+
+
+# (name, Lq, Lk, H, Hkv, causal, window, mask, dropout_p, [(tensor, row, feature, value)])
+KERNEL_CASES = [
+    # several non-finite keys in one tile, attended by some rows of it only; GQA and dropout
+    ("gqa-dropout", 20, 20, 4, 2, True, None, None, 0.25,
+     [("k", 5, 3, NAN), ("v", 7, 1, NAN), ("v", 9, 0, NAN), ("q", 12, 2, NAN)]),
+    # infinities: an inf v only some rows attend (theirs is inf or NaN, the others' finite)
+    ("inf-window", 18, 18, 2, 2, False, (3, 0), None, 0.0,
+     [("v", 6, 2, float("inf")), ("k", 10, 5, float("-inf"))]),
+    # a bottom-right band over more keys than queries: keys 2, 3 no row attends, key 21 only
+    # the last row
+    ("br-unattended", 5, 22, 2, 1, "bottom_right", (4, None), None, 0.0,
+     [("k", 2, 0, NAN), ("v", 3, 3, NAN), ("v", 21, 1, NAN)]),
+    # a float mask whose -inf entries cover NaN keys for some rows only
+    ("float-mask-rows", 17, 17, 2, 2, False, None, "float-rows", 0.0,
+     [("k", 4, 1, NAN), ("v", 4, 2, NAN)]),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_nan_rule_triton_paths(case, triton_path):
+    name, Lq, Lk, H, Hkv, causal, window, kind, p, spots = case
+    D = 16
+    g = torch.Generator().manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).float()  # noqa: E731
+    q, k, v, dout = mk(1, H, Lq, D), mk(1, Hkv, Lk, D), mk(1, Hkv, Lk, D), mk(1, H, Lq, D)
+    for which, row, feat, val in spots:
+        {"q": q, "k": k, "v": v}[which][:, :, row, feat] = val
+    mask = None
+    if kind == "float-rows":  # rows 0..7 mask key 4 out, the others attend it with a bias
+        mask = torch.zeros(1, 1, Lq, Lk)
+        mask[..., :8, 4] = float("-inf")
+        mask[..., 8:, 4] = 0.5
+    args = dict(causal=causal, window=window, dropout_p=p, seed=5 if p else None)
+    qt, kt, vt = (t.to(DEVICE).requires_grad_() for t in (q, k, v))
+    out, lse = fastattn.attention(qt, kt, vt, None if mask is None else mask.to(DEVICE),
+                                  enable_gqa=Hkv != H, return_lse=True, backend="triton", **args)
+    grads = torch.autograd.grad(out, (qt, kt, vt), dout.to(DEVICE))
+    np_args = (to_numpy(q), to_numpy(k), to_numpy(v))
+    np_mask = None if mask is None else to_numpy(mask)
+    ref_kw = dict(mask=np_mask, enable_gqa=Hkv != H, **args)
+    want = list(reference.attention(*np_args, **ref_kw))
+    want += list(reference.attention_backward(to_numpy(dout), *np_args, **ref_kw))[:3]
+    finite_rows = ~_rows(want[0])
+    assert finite_rows.any(), "the case must keep some rows finite"
+    _assert_matches([out, lse, *grads], want, torch.float32)
+
+
+VARLEN_BACKENDS = backend_params("varlen_attention")
+PAGED_BACKENDS = backend_params("paged_attention")
+
+
+@pytest.mark.parametrize("backend,device", VARLEN_BACKENDS)
+def test_nan_rule_varlen(backend, device):
+    """Packed sequences: a NaN reaches only the rows (and gradients) of its own sequence that
+    attend it."""
+    lens, H, Hkv, D = [5, 9], 2, 1, 16
+    g = torch.Generator().manual_seed(3)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).float()  # noqa: E731
+    q, k, v, dout = mk(14, H, D), mk(14, Hkv, D), mk(14, Hkv, D), mk(14, H, D)
+    k[5 + 6, :, 3] = NAN  # sequence 1, key 6: rows 6..8 of it attend it (causal)
+    v[5 + 7, :, 2] = NAN  # sequence 1, key 7: rows 7, 8
+    q[2, 1, 0] = NAN      # sequence 0, row 2, head 1
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    qt, kt, vt = (t.clone().to(device).requires_grad_() for t in (q, k, v))
+    out, lse = fastattn.varlen_attention(qt, kt, vt, cu.to(device), cu.to(device), causal=True,
+                                         return_lse=True, backend=backend)
+    grads = torch.autograd.grad(out, (qt, kt, vt), dout.to(device))
+    np_args = (to_numpy(q), to_numpy(k), to_numpy(v), cu, cu)
+    want = list(reference.varlen_attention(*np_args, causal=True))
+    want += list(reference.varlen_attention_backward(to_numpy(dout), *np_args, causal=True))
+    assert not np.isnan(want[0][:5, 0]).any() and not np.isnan(want[0][5:11]).any()
+    _assert_matches([out, lse, *grads], want, torch.float32)
+
+
+@pytest.mark.parametrize("backend,device", PAGED_BACKENDS)
+def test_nan_rule_paged(backend, device):
+    """Paged decoding: NaN in a cache's unwritten slots and spare blocks never leaks; a NaN
+    value only the last new token attends reaches only that row."""
+    H, Hkv, D, bs, Lq = 2, 1, 16, 4, 3
+    g = torch.Generator().manual_seed(4)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).float()  # noqa: E731
+    kc, vc = mk(6, bs, Hkv, D), mk(6, bs, Hkv, D)
+    table = torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32)
+    seqlens = torch.tensor([6, 11], dtype=torch.int32)
+    for c in (kc, vc):
+        c[1, 2:] = NAN   # sequence 0: slots past its 6 keys
+        c[4, 3:] = NAN   # sequence 1: slot past its 11 keys
+        c[5] = NAN       # a spare block
+    vc[4, 2, :, 5] = NAN  # sequence 1, key 10: only its last query row attends it
+    q = mk(2, H, Lq, D)
+    out, lse = fastattn.paged_attention(q.to(device), kc.to(device), vc.to(device),
+                                        table.to(device), seqlens.to(device),
+                                        causal="bottom_right", return_lse=True, backend=backend)
+    want = reference.paged_attention(to_numpy(q), to_numpy(kc), to_numpy(vc), table.numpy(),
+                                     seqlens.numpy(), causal="bottom_right")
+    assert np.isnan(want[0][1, :, 2, 5]).all() and not np.isnan(np.delete(want[0], 5, -1)).any()
+    _assert_matches([out, lse], list(want), torch.float32)
+
+
+def test_nan_rule_warp_specialized_fixup(monkeypatch):
+    """A warp-specialized forward config cannot hold the careful branch; when the autotuner runs
+    one, a FIXUP launch recomputes the blocks whose output holds a NaN (kernels/attention.py)."""
+    import triton
+
+    from fastattn.kernels import attention as attn
+    if not (attn._HAS_DESCRIPTORS and attn._HAS_WARP_SPECIALIZE):
+        pytest.skip("this Triton lacks descriptors or warp specialization")
+    if torch.cuda.is_available() and not attn._hopper_or_newer():
+        pytest.skip("warp specialization is only tried on Hopper and newer")
+    monkeypatch.setattr(attn, "TMA", "1")
+    monkeypatch.setattr(attn, "_disabled", {})
+    bm, bn, warps, stages = (16, 16, 4, 1) if attn._INTERPRET else (128, 64, 4, 3)
+    config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": True},
+                           num_warps=warps, num_stages=stages)
+    monkeypatch.setattr(attn._attn_fwd_kernel, "configs", [config])
+    device = DEVICE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(3))
+    v[0, 0, 20, 3] = NAN  # the causal rows 16..19 of its tile do not attend it
+    out, lse = attn.attention_forward(q.to(device), k.to(device), v.to(device), None, 0.125,
+                                      *reference.structural_band(40, 40, True), 0.0, None)
+    want, want_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=0.125,
+                                         causal=True)
+    _assert_matches([out, lse], [want, want_lse], dtype)
+    assert attn._picked_warp_specialized() and attn._disabled == {}
