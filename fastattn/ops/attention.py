@@ -307,13 +307,33 @@ def _arg_index(op, name: str) -> int:
 _CHUNK_SCORES = 1 << 22
 
 
-def _differentiable_backward(q, k, v, mask, args, dout, dlse, needs):
+def _cotangent(t, r0, r1, q, v):
+    """Rows r0:r1 of a cotangent of out (``v`` given: (B, H, Lq, Dv) in q's dtype) or of lse
+    (float32 (B, H, Lq)), zeros for None."""
+    if t is not None:
+        return t[:, :, r0:r1].to(q.dtype if v is not None else torch.float32)
+    B, H = q.shape[:2]
+    shape = (B, H, r1 - r0, v.shape[-1]) if v is not None else (B, H, r1 - r0)
+    return q.new_zeros(shape, dtype=q.dtype if v is not None else torch.float32)
+
+
+def _graph_vjp(chunk, xs, cot_out, cot_lse):
+    """``chunk``'s vjp by torch.autograd.grad with create_graph=True (differentiable again; it
+    runs under checkpoint, whose saved-tensor hooks torch.func.vjp does not support)."""
+    with torch.enable_grad():
+        outs = chunk(*xs)
+        grads = torch.autograd.grad(outs, xs, (cot_out, cot_lse), create_graph=True, allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads))
+
+
+def _differentiable_backward(q, k, v, mask, args, dout, dlse, needs, create=False):
     """dq, dk, dv, dmask (None where not ``needs``) of ``<dout, out> + <dlse, lse>`` by the naive
     backend's differentiable operations (``torch.func.vjp`` of it), chunked over query rows (rows
-    are independent). With grad mode on (``create_graph=True``) the result is differentiable
-    again (double backward), and then the graph holds every chunk's (B, H, rows, Lk)
-    intermediates, O(B * H * Lq * Lk) in all until it is freed; without, each chunk's are freed
-    before the next: O(B * H * Lk) times the chunk's rows (``_CHUNK_SCORES`` score entries)."""
+    are independent). With ``create`` (``create_graph=True``) the result is differentiable again
+    (double backward): each chunk runs under activation checkpointing, so the graph holds the
+    chunks' inputs only (O(L) beside q, k, v) and the double backward recomputes one chunk's
+    (B, H, rows, Lk) intermediates at a time; without, each chunk's are freed before the next.
+    Peak either way: O(B * H * Lk) times a chunk's rows (``_CHUNK_SCORES`` score entries)."""
     scale, offset, left, right, dropout_p, seed = args
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
@@ -330,10 +350,19 @@ def _differentiable_backward(q, k, v, mask, args, dout, dlse, needs):
                 a[i] = x
             return _naive(*a, scale, offset + r0, left, right, dropout_p, seed, r0)
 
-        (out_c, lse_c), pull = torch.func.vjp(chunk, *(inputs[i] for i in wrt))
-        cot_out = torch.zeros_like(out_c) if dout is None else dout[:, :, r0:r1].to(out_c.dtype)
-        cot_lse = torch.zeros_like(lse_c) if dlse is None else dlse[:, :, r0:r1].to(lse_c.dtype)
-        for i, g in zip(wrt, pull((cot_out, cot_lse))):
+        xs = [inputs[i] for i in wrt]
+        if create and torch._C._functorch.peek_interpreter_stack() is None:
+            # Checkpointed (not under a torch.func transform: its wrapped tensors take the vjp): the graph keeps this chunk's inputs, not its (B, H, rows, Lk)
+            # intermediates, which the double backward recomputes one chunk at a time.
+            cots = (_cotangent(dout, r0, r1, q, v), _cotangent(dlse, r0, r1, q, None))
+            chunk_grads = torch.utils.checkpoint.checkpoint(
+                _graph_vjp, chunk, xs, *cots, use_reentrant=False)
+        else:
+            (out_c, lse_c), pull = torch.func.vjp(chunk, *xs)
+            cot_out = torch.zeros_like(out_c) if dout is None else dout[:, :, r0:r1].to(out_c.dtype)
+            cot_lse = torch.zeros_like(lse_c) if dlse is None else dlse[:, :, r0:r1].to(lse_c.dtype)
+            chunk_grads = pull((cot_out, cot_lse))
+        for i, g in zip(wrt, chunk_grads):
             grads[i].append(g)
     dq = torch.cat(grads[0], 2) if needs[0] else None
     dk = torch.stack(grads[1]).sum(0) if needs[1] else None
@@ -376,7 +405,7 @@ class _Attention(torch.autograd.Function):
         # reverse-mode transforms of torch.func, whose inputs this level sees unwrapped)
         create = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask))
         if create or dlse is not None:
-            return (*_differentiable_backward(q, k, v, mask, ctx.args, dout, dlse, needs), *none)
+            return (*_differentiable_backward(q, k, v, mask, ctx.args, dout, dlse, needs, create), *none)
         return (*_fused_grads(ctx.ops[0], dout, ctx.saved_tensors, ctx.args, needs[3]), *none)
 
     @staticmethod

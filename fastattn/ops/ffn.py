@@ -93,17 +93,9 @@ def _compiled(fwd):
 
 
 _kernels = triton_kernels("ffn")
-define_op(
-    "ffn",
-    fake_fwd=_fake_fwd,
-    fake_bwd=_fake_bwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    triton_fwd=_triton_fwd,
-    triton_bwd=_triton_bwd,
-    naive=_naive,
-    adapt=_compiled,
-)
+define_op("ffn", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, setup_context=_setup_context,
+          backward=_backward, triton_fwd=_triton_fwd, triton_bwd=_triton_bwd, naive=_naive,
+          adapt=_compiled)
 
 
 def ffn(

@@ -131,17 +131,9 @@ def _naive(x, residual, normalized_shape, weight, bias, eps, rms):
 
 
 _kernels = triton_kernels("layer_norm")
-define_op(
-    "layer_norm",
-    fake_fwd=_fake_fwd,
-    fake_bwd=_fake_bwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    triton_fwd=_triton_fwd,
-    triton_bwd=_triton_bwd,
-    naive=_naive,
-    adapt=_compiled,
-)
+define_op("layer_norm", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, setup_context=_setup_context,
+          backward=_backward, triton_fwd=_triton_fwd, triton_bwd=_triton_bwd, naive=_naive,
+          adapt=_compiled)
 
 
 # ---------------------------------------------------------------------------------------------

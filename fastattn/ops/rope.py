@@ -181,15 +181,8 @@ def _compiled(fwd):
 
 
 _kernels = triton_kernels("rope")
-define_op(
-    "rope",
-    fake_fwd=_fake_fwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    triton_fwd=_triton_fwd,
-    naive=_naive,
-    adapt=_compiled,
-)
+define_op("rope", fake_fwd=_fake_fwd, setup_context=_setup_context, backward=_backward,
+          triton_fwd=_triton_fwd, naive=_naive, adapt=_compiled)
 
 
 # ---------------------------------------------------------------------------------------------

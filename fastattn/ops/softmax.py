@@ -68,16 +68,8 @@ def _triton_bwd(dy: Tensor, y: Tensor, scale: float) -> Tensor:
 
 
 _kernels = triton_kernels("softmax")
-define_op(
-    "softmax",
-    fake_fwd=_fake_fwd,
-    fake_bwd=_fake_bwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    triton_fwd=_triton_fwd,
-    triton_bwd=_triton_bwd,
-    naive=_naive,
-)
+define_op("softmax", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, setup_context=_setup_context,
+          backward=_backward, triton_fwd=_triton_fwd, triton_bwd=_triton_bwd, naive=_naive)
 
 
 def _as_4d(t: Tensor, shape: tuple[int, ...]) -> Tensor:

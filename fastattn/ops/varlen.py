@@ -156,16 +156,9 @@ def _triton_paged(
 
 
 _kernels = triton_kernels("varlen")
-define_op(
-    "varlen_attention",
-    fake_fwd=_fake_varlen_fwd,
-    fake_bwd=_fake_varlen_bwd,
-    setup_context=_setup_context,
-    backward=_backward,
-    triton_fwd=_triton_fwd,
-    triton_bwd=_triton_bwd,
-    naive=_naive_varlen,
-)
+define_op("varlen_attention", fake_fwd=_fake_varlen_fwd, fake_bwd=_fake_varlen_bwd,
+          setup_context=_setup_context, backward=_backward, triton_fwd=_triton_fwd,
+          triton_bwd=_triton_bwd, naive=_naive_varlen)
 define_op("paged_attention", fake_fwd=_fake_paged_fwd, triton_fwd=_triton_paged, naive=_naive_paged)
 for _op in ("varlen_attention", "paged_attention"):
     backends.note_missing(_op, "cuda", "not implemented on cuda yet (no CUDA C++ kernel; the "
