@@ -177,3 +177,18 @@ def test_bench_suites_are_not_collected_by_plain_pytest(pytestconfig):
     assert {"bench_attention.py", "bench_softmax.py", "bench_layer_norm.py", "bench_ffn.py", "conftest.py"} <= set(names)
     assert not [n for n in names if n.startswith("test_")]
 
+
+
+def test_token_counting_cases_get_a_tokens_per_second_column(tiny_run):
+    _, data = tiny_run
+    results = [bench.Result(**r) for r in data["results"]]
+    for op in ("varlen", "decode"):
+        rows = [r for r in results if r.op == op and r.ms]
+        assert rows and all(r.tokens_per_s == pytest.approx(r.params["tokens"] / (r.ms / 1000)) for r in rows)
+        cols = bench.columns(rows)
+        assert "tok/s" in cols
+        for cells in bench.table_rows(rows, cols):
+            assert cells[cols.index("tok/s")] != "-" and len(cells[cols.index("tok/s")]) <= 6
+    softmax = [r for r in results if r.op == "softmax"]
+    assert "tok/s" not in bench.columns(softmax)
+    assert [bench._fmt_count(v) for v in (950, 12_340, 4_560_000, 1.2e9, None)] == ["950", "12.3k", "4.56M", "1.2G", "-"]

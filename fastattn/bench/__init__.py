@@ -90,6 +90,13 @@ class Result:
     sweep: str | None = None
 
     @property
+    def tokens_per_s(self) -> float | None:
+        """Throughput in tokens (queries) per second, for cases that count tokens (``params``:
+        packed sequences, decoding steps)."""
+        tokens = self.params.get("tokens")
+        return None if tokens is None or not self.ms else tokens / (self.ms / 1000)
+
+    @property
     def worst_error(self) -> float | None:
         errs = [e for e in (self.max_error, self.max_grad_error) if e is not None]
         return max(errs) if errs else None
@@ -472,6 +479,16 @@ def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _fmt_count(v: float | None) -> str:
+    """A rate in at most 5 characters: 950, 12.3k, 4.56M, 1.20G."""
+    if v is None:
+        return "-"
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= div:
+            return f"{v / div:.3g}{unit}"
+    return f"{v:.0f}"
+
+
 def _fmt_ms(r: Result) -> str:
     return f"{r.ms:.3f} ({r.ms_p20:.3f}-{r.ms_p80:.3f})"
 
@@ -489,6 +506,8 @@ def columns(results: Sequence[Result]) -> list[str]:
     if any(r.gbps is not None and r.tflops is None for r in results):
         cols.append("GB/s")
     cols.append("% peak")
+    if any(r.tokens_per_s is not None for r in results):
+        cols.append("tok/s")
     if any(r.peak_mem_mb is not None for r in results):
         cols.append("mem MB")
     return cols + ["x naive", "x torch", "max err"]
@@ -507,6 +526,7 @@ def table_rows(results: Sequence[Result], cols: Sequence[str] | None = None) -> 
                 "TFLOP/s": _fmt(r.tflops, ".3f"),
                 "GB/s": _fmt(r.gbps, ".1f"),
                 "% peak": _fmt(None if r.peak_fraction is None else 100 * r.peak_fraction, ".0f"),
+                "tok/s": _fmt_count(r.tokens_per_s),
                 "mem MB": _fmt(r.peak_mem_mb, ".0f"),
                 "x naive": _fmt(r.speedup_vs_naive, ".2f"),
                 "x torch": _fmt(r.speedup_vs_torch, ".2f"),
