@@ -427,8 +427,9 @@ def _within(max_head_dim: int, max_len: int | None = None):
         worst = max(head_dim or 0, head_dim_v or 0)
         if worst > max_head_dim:
             return f"head dim {worst} > {max_head_dim}"
-        if max_len is not None and max(lq or 0, lk or 0) > max_len:
-            return f"sequence length {max(lq, lk)} > {max_len}"
+        longest = max(lq or 0, lk or 0)
+        if max_len is not None and longest > max_len:
+            return f"sequence length {longest} > {max_len}"
         return None
 
     return limits
