@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 
-from fastattn.aot.report import Row, parse_ptxas, sass_features, sass_of
+from fastattn.aot.report import Row, parse_ptxas, sass_digest, sass_features, sass_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = "sm_90a"
@@ -163,6 +163,7 @@ def compile_file(source: str, out_dir: str, archs: tuple[str, ...]) -> list[Row]
             kernel=base, case=f"{name} {dtype}".strip(), config=rest,
             regs=res["regs"], spill_stores=res["spill_stores"], spill_loads=res["spill_loads"],
             smem=res["smem"] + dyn, features=sass_features(sass.get(mangled, "")),
+            digest=sass_digest(sass.get(mangled, "")),
             spill_budget=rule.spill_budget, required=rule.required,
             error="" if mangled in sass else "no sm_90a SASS found for this function"))
     return rows

@@ -9,6 +9,7 @@ it compiled, and its spills are within the budget stated for it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import shutil
@@ -43,6 +44,7 @@ class Row:
     required: tuple[str, ...] = ()   # features the SASS must hold
     smem_limit: int = 0              # bytes of shared memory a block may have (0: unchecked)
     error: str = ""              # compile error, empty when it compiled
+    digest: str = ""             # hash of the SASS instructions: equal digests, same machine code
 
     @property
     def spills(self) -> int:
@@ -135,6 +137,13 @@ def sass_of(cubin: bytes | str, arch: str | None = None) -> dict[str, str]:
         elif current is not None:
             funcs[current].append(line)
     return {name: "\n".join(lines) for name, lines in funcs.items()}
+
+
+def sass_digest(sass: str) -> str:
+    """A short hash of the instructions in ``sass`` (addresses and encodings included, comments
+    and the function header not): a refactor that changes no machine code keeps it."""
+    code = re.findall(r"/\*[0-9a-f]{3,}\*/\s+([^;]*;)", sass)
+    return hashlib.sha1("\n".join(" ".join(c.split()) for c in code).encode()).hexdigest()[:12]
 
 
 def sass_features(sass: str) -> tuple[str, ...]:
