@@ -31,12 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tuning
-from .attention import (
-    _LOG2E, _band, _check_inputs, _configs, _dot, _dot_precision, _dropout_args,
-    _head_block, _key_tiles, _load_rows, _mask_args, _prune, _query_block, _scores,
-    _unit_last_stride,
-)
+from .attention import _configs, _dot, _key_tiles, _load_rows, _prune, _query_block, _scores
+from .attention_launch import _prepare, _strides3, _unit_last_stride
 from .rng import dropout_keep
 
 _JVP_CONFIGS = _configs(
@@ -192,40 +188,18 @@ def _attn_jvp_kernel(
     tl.store(TLse + bh.to(tl.int64) * Lq + offs_m, tlse, mask=row_ok)
 
 
-def _tangent(name, t, like):
-    if t is None:
-        return None
-    if tuple(t.shape) != tuple(like.shape) or t.dtype != like.dtype or t.device != like.device:
-        raise ValueError(f"the tangent {name} must match its primal: {like.dtype} {tuple(like.shape)} on "
-                         f"{like.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return _unit_last_stride(t)
-
-
 def attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, dropout_p, seed):
     """Tangents ``(tout, tlse)`` of attention's ``(out, lse)`` along ``tq, tk, tv`` (shaped like
-    q, k, v) and ``tmask`` (like a float mask); None = zero. Arguments otherwise as
-    :func:`kernels.attention.attention_forward`. tout (B, H, Lq, Dv) in q's dtype, tlse (B, H, Lq)
-    float32."""
-    B, H, Hkv, Lq, Lk, D, Dv = _check_inputs(q, k, v, mask, dropout_p)
-    tq, tk, tv = _tangent("tq", tq, q), _tangent("tk", tk, k), _tangent("tv", tv, v)
-    if tmask is not None:
-        if mask is None or mask.dtype == torch.bool or tuple(tmask.shape) != tuple(mask.shape):
-            raise ValueError(f"tmask (the mask's tangent) needs a float mask of its shape; mask "
-                             f"{None if mask is None else (mask.dtype, tuple(mask.shape))}, tmask "
-                             f"{tmask.dtype} {tuple(tmask.shape)}")
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    scale = float(scale)
-    band_lo, band_hi, lo_bounded, hi_bounded = _band(Lq, Lk, offset, left, right)
-    mask_t, mask_strides, has_mask, mask_bool = _mask_args(mask, q)
-    seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
-
+    q, k, v) and ``tmask`` (like a float mask); None = zero; checked by fastattn.ops. Arguments
+    otherwise as :func:`kernels.attention_launch.attention_forward`. tout (B, H, Lq, Dv) in q's
+    dtype, tlse (B, H, Lq) float32."""
+    c = _prepare(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
+    B, H, Lq, Dv, q, k, v = c.B, c.H, c.Lq, c.Dv, c.q, c.k, c.v
+    tq, tk, tv = (None if t is None else _unit_last_stride(t) for t in (tq, tk, tv))
     tout = torch.empty((B, H, Lq, Dv), dtype=q.dtype, device=q.device)
     tlse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if B * H == 0:
         return tout, tlse
-
-    def strides3(t, like):
-        return (t if t is not None else like).stride()[:3]
 
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
@@ -233,15 +207,11 @@ def attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, 
     kernel = torch.library.wrap_triton(_attn_jvp_kernel)[grid]
     kernel(
         q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
-        mask_t, q if tmask is None else tmask, tout, tlse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *strides3(tq, q), *strides3(tk, k), *strides3(tv, v), *tout.stride()[:3],
-        *mask_strides, *((0, 0, 0, 0) if tmask is None else tmask.stride()),
-        H, H // Hkv, Lq, Lk, tuning.bucket(Lq), tuning.bucket(Lk), scale, scale * _LOG2E.value,
-        band_lo, band_hi, seed32, threshold, rcp_keep,
-        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D), BLOCK_DV=_head_block(Dv),
-        HAS_MASK=has_mask, MASK_BOOL=mask_bool, HAS_TQ=tq is not None, HAS_TK=tk is not None,
-        HAS_TV=tv is not None, HAS_TMASK=tmask is not None, LO_BOUNDED=lo_bounded,
-        HI_BOUNDED=hi_bounded, HAS_DROPOUT=has_dropout, DOT_PRECISION=_dot_precision(q.dtype),
+        c.mask, q if tmask is None else tmask, tout, tlse,
+        *_strides3(q, k, v, q if tq is None else tq, k if tk is None else tk,
+                   v if tv is None else tv, tout),
+        *c.mask_strides, *((0, 0, 0, 0) if tmask is None else tmask.stride()), *c.scalars,
+        HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
+        HAS_TMASK=tmask is not None, **c.consts,
     )
     return tout, tlse

@@ -50,16 +50,13 @@ from .attention import (
     _attn_bwd_preprocess_kernel,
     _dkdv_tiles,
     _dot,
-    _dot_precision,
     _dq_tiles,
-    _dropout_args,
     _any_nan,
     _dkdv_careful,
     _dq_careful,
     _fwd_careful,
     _fwd_finish,
     _fwd_tiles,
-    _head_block,
     _in_band,
     _key_tiles,
     _load_rows,
@@ -71,6 +68,7 @@ from .attention import (
     _store_dq,
     _store_rows,
 )
+from .attention_launch import _dot_precision, _dropout_args, _head_block
 
 # One fixed tile shape per kernel (no autotuning yet): 16 x 16 under the interpreter; on a GPU
 # the shapes that compile for sm_90 without register spills (checked with fastattn.aot's
@@ -145,17 +143,7 @@ def _varlen_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
         acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_src, v_src, Q, offs_m, offs_d, offs_dv, n_base, 0, t1,
-            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
-            threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED,
-            HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, False, False)
-        acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_src, v_src, Q, offs_m, offs_d, offs_dv, n_base, t1, t2,
-            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
-            threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED,
-            HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, False, False, False)
-        acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_src, v_src, Q, offs_m, offs_d, offs_dv, n_base, t2, num,
+            acc, m_i, l_i, q, k_src, v_src, Q, offs_m, offs_d, offs_dv, n_base, num, t1, t2,
             stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
             threshold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False, LO_BOUNDED,
             HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION, BLOCK_N, True, False, False)
@@ -214,19 +202,7 @@ def _varlen_dkdv_kernel(
             delta_ptr = Delta + h * total_q + q_start
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, Q, offs_n, offs_d, offs_dv,
-                m_base, 0, t1, stride_q_t, stride_do_t, 0, 0, Lq, Lk, qk_scale, band_lo,
-                band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_M, True, False)
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, Q, offs_n, offs_d, offs_dv,
-                m_base, t1, t2, stride_q_t, stride_do_t, 0, 0, Lq, Lk, qk_scale, band_lo,
-                band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION,
-                BLOCK_M, False, False)
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, Q, offs_n, offs_d, offs_dv,
-                m_base, t2, num, stride_q_t, stride_do_t, 0, 0, Lq, Lk, qk_scale, band_lo,
+                m_base, num, t1, t2, stride_q_t, stride_do_t, 0, 0, Lq, Lk, qk_scale, band_lo,
                 band_hi, seed, bh, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                 BLOCK_DV, False, False, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, DOT_PRECISION,
                 BLOCK_M, True, False)
@@ -284,18 +260,8 @@ def _varlen_dq_kernel(
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         n_base, num, t1, t2 = _key_tiles(m0, Lq, Lk, band_lo, band_hi, BLOCK_M, BLOCK_N)
         dq = _dq_tiles(
-            dq, q, do, lse, delta, k_src, v_src, Q, Q, offs_m, offs_d, offs_dv, n_base, 0, t1,
-            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
-            threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
-            LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_N, True, False)
-        dq = _dq_tiles(
-            dq, q, do, lse, delta, k_src, v_src, Q, Q, offs_m, offs_d, offs_dv, n_base, t1, t2,
-            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
-            threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
-            LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_N, False, False)
-        dq = _dq_tiles(
-            dq, q, do, lse, delta, k_src, v_src, Q, Q, offs_m, offs_d, offs_dv, n_base, t2, num,
-            stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
+            dq, q, do, lse, delta, k_src, v_src, Q, Q, offs_m, offs_d, offs_dv, n_base, num, t1,
+            t2, stride_k_t, stride_v_t, 0, 0, Lq, Lk, qk_scale, band_lo, band_hi, seed, bh,
             threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, False, False,
             LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT, False, DOT_PRECISION, BLOCK_N, True, False)
         dq_base = DQ + q_start * stride_dq_t + h * stride_dq_h
@@ -447,37 +413,19 @@ def _paged_fwd_kernel(
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
-def _check_common(q, k, v, what):
+def _limits(q, k, v, what=""):
+    """The kernels' own limits (the arguments are checked once, by fastattn.ops): dtypes, head
+    dims up to 256 and a unit stride on the last dim of q, k and v (``what``: "_cache" for the paged
+    caches). Returns the head dims (D, Dv)."""
     for name, x in (("q", q), (f"k{what}", k), (f"v{what}", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-        if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} must have q's dtype and device, got {x.dtype} on {x.device}")
+            raise TypeError(f"the triton kernels take float16, bfloat16 or float32, {name} is {x.dtype}")
         if x.shape[-1] > 1 and x.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride on its last dim, got {x.stride()}")
     D, Dv = q.shape[-1], v.shape[-1]
-    if not (1 <= D <= _MAX_HEAD_DIM and 1 <= Dv <= _MAX_HEAD_DIM):
-        raise ValueError(f"head dims must be in [1, {_MAX_HEAD_DIM}], got {D} and {Dv}")
+    if max(D, Dv) > _MAX_HEAD_DIM:
+        raise ValueError(f"the triton kernels take head dims up to {_MAX_HEAD_DIM}, got {D} and {Dv}")
     return D, Dv
-
-
-def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
-    D, Dv = _check_common(q, k, v, "")
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be 3-D (total, heads, dim), got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    H, Hkv = q.shape[1], k.shape[1]
-    if k.shape[:2] != v.shape[:2] or k.shape[2] != D or Hkv == 0 or H % Hkv:
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] != cu_q.shape[0] or cu.device != q.device:
-            raise ValueError(f"{name} must be int32 (batch + 1,) on q's device, got {cu.dtype} "
-                             f"{tuple(cu.shape)} on {cu.device}")
-    if max_q < 0 or max_k < 0:
-        raise ValueError(f"max_seqlen_q / max_seqlen_k must be >= 0, got {max_q}, {max_k}")
-    return H, Hkv, D, Dv, cu_q.shape[0] - 1
 
 
 def _band_flags(left, right, unbounded):
@@ -488,7 +436,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
     """Packed forward; returns out (total_q, H, Dv) and lse (H, total_q) float32. cu_seqlens must
     be valid (checked by fastattn.varlen_attention) and max_seqlen_* at least every length: the
     grid covers max_seqlen blocks and each program reads its sequence's bounds."""
-    H, Hkv, D, Dv, batch = _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    D, Dv = _limits(q, k, v)
+    H, Hkv, batch = q.shape[1], k.shape[1], cu_q.shape[0] - 1
     total_q = q.shape[0]
     out = torch.empty((total_q, H, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((H, total_q), dtype=torch.float32, device=q.device)
@@ -514,12 +463,9 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
                     right, dropout_p, seed):
     """Packed backward; returns dq, dk, dv shaped like q, k, v (dk, dv summed over GQA groups)."""
-    H, Hkv, D, Dv, batch = _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    D, Dv = _limits(q, k, v)
+    H, Hkv, batch = q.shape[1], k.shape[1], cu_q.shape[0] - 1
     total_q = q.shape[0]
-    if tuple(dout.shape) != tuple(out.shape) or tuple(out.shape) != (total_q, H, Dv):
-        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must be {(total_q, H, Dv)}")
-    if tuple(lse.shape) != (H, total_q) or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be float32 {(H, total_q)}, got {lse.dtype} {tuple(lse.shape)}")
     dout = dout.to(q.dtype)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     lse = lse.contiguous()
@@ -576,18 +522,9 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
     block_table / cache_seqlens must be valid (checked by fastattn.paged_attention: entries of
     used slots in range, lengths within the owned blocks). ``num_splits`` (default: fill the GPU)
     sets the key splits."""
-    D, Dv = _check_common(q, k_cache, v_cache, "_cache")
+    D, Dv = _limits(q, k_cache, v_cache, "_cache")
     B, H, Lq, _ = q.shape
     _, block_size, Hkv, _ = k_cache.shape
-    if (k_cache.dim(), v_cache.dim(), q.dim()) != (4, 4, 4) or k_cache.shape[:3] != v_cache.shape[:3] \
-            or k_cache.shape[3] != D or Hkv == 0 or H % Hkv:
-        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
-    for name, t, shape in (("block_table", block_table, (B, block_table.shape[-1])),
-                           ("cache_seqlens", cache_seqlens, (B,))):
-        if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != q.device:
-            raise ValueError(f"{name} must be int32 {shape} on q's device, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
     out = torch.empty((B, H, Lq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 and lse.numel() == 0:

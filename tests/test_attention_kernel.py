@@ -19,7 +19,8 @@ import triton  # noqa: E402
 
 from fastattn import reference as ref  # noqa: E402
 from fastattn.kernels import attention as attn  # noqa: E402
-from fastattn.kernels.attention import attention_backward, attention_forward  # noqa: E402
+from fastattn.kernels import descriptors  # noqa: E402
+from fastattn.kernels.attention_launch import attention_backward, attention_forward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,12 +85,12 @@ def _make_mask(kind, B, H, Lq, Lk, seed=1):
 def path(request, monkeypatch):
     """Force the pointer path or the descriptor path, and check afterwards that the descriptor
     path was not switched off by a failure (its fallback would hide a bug)."""
-    if request.param == "tma" and not attn._HAS_DESCRIPTORS:
+    if request.param == "tma" and not descriptors.HAS_DESCRIPTORS:
         pytest.skip(f"Triton {triton.__version__} has no tl.make_tensor_descriptor")
-    monkeypatch.setattr(attn, "TMA", "1" if request.param == "tma" else "0")
-    monkeypatch.setattr(attn, "_disabled", {})
+    monkeypatch.setattr(descriptors, "TMA", "1" if request.param == "tma" else "0")
+    monkeypatch.setattr(descriptors, "disabled", {})
     yield request.param
-    assert attn._disabled == {}, f"the descriptor path failed: {attn._disabled}"
+    assert descriptors.disabled == {}, f"the descriptor path failed: {descriptors.disabled}"
 
 
 # id: (B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask, dropout_p, dtype)
@@ -116,7 +117,7 @@ CASES = {
 def _run(B, H, Hkv, Lq, Lk, D, Dv, causal, window, mask_kind, p, dtype, seed=1234, amp=1.0,
          transposed=False):
     q, k, v, dout = _inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, amp=amp, transposed=transposed)
-    assert attn._use_tma(q, k, v, dout) == (attn.TMA == "1"), "inputs meant for the TMA path"
+    assert descriptors.use_tma(q, k, v, dout) == (descriptors.TMA == "1"), "inputs meant for the TMA path"
     mask, mask_ref, need_dmask = _make_mask(mask_kind, B, H, Lq, Lk)
     scale = D ** -0.5
     band = ref.structural_band(Lq, Lk, causal, window)
@@ -208,62 +209,78 @@ def _good():
     return q, k, v
 
 
+# Bad arguments are caught once, in fastattn.ops, before the triton backend runs; the messages
+# name the public arguments (query, key, value, attn_mask).
 BAD = {
-    "rank": (lambda q, k, v: (q[0], k, v, None, 0.0), ValueError, "q must be 4-D"),
+    "rank": (lambda q, k, v: (q[0], k, v, None, 0.0), ValueError, "query must be 4-D"),
     "batch": (lambda q, k, v: (q, k[:1], v[:1], None, 0.0), ValueError, "batch"),
-    "head_dim": (lambda q, k, v: (q, k[..., :8], v, None, 0.0), ValueError, "head dims differ"),
-    "gqa": (lambda q, k, v: (q[:, :3], k, v, None, 0.0), ValueError, "multiple of kv heads"),
+    "head_dim": (lambda q, k, v: (q, k[..., :8], v, None, 0.0), ValueError, "head dim"),
+    "gqa": (lambda q, k, v: (q[:, :3], k, v, None, 0.0), ValueError, "multiple of key/value"),
     "big_head": (lambda q, k, v: (torch.zeros(1, 1, 2, 512), torch.zeros(1, 1, 2, 512),
                                   torch.zeros(1, 1, 2, 8), None, 0.0), ValueError, "256"),
-    "dtype": (lambda q, k, v: (q.double(), k.double(), v.double(), None, 0.0), TypeError,
-              "float16"),
+    "dtype": (lambda q, k, v: (q.double(), k.double(), v.double(), None, 0.0), ValueError,
+              "triton.* does not take torch.float64"),  # the registry's refusal (caps)
     "mixed": (lambda q, k, v: (q.half(), k, v, None, 0.0), TypeError, "share a dtype"),
     "mask_shape": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 6, dtype=torch.bool), 0.0),
-                   ValueError, "mask must have shape"),
+                   ValueError, "not broadcastable"),
     "mask_dtype": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 7, dtype=torch.int32), 0.0),
-                   TypeError, "mask must be bool"),
+                   TypeError, "attn_mask must be bool"),
     "dropout": (lambda q, k, v: (q, k, v, None, 1.0), ValueError, "dropout_p"),
 }
 
 
 @pytest.mark.parametrize("bad", list(BAD))
 def test_bad_inputs(bad):
+    import fastattn
+
     make, exc, msg = BAD[bad]
     q, k, v, mask, p = make(*_good())
     with pytest.raises(exc, match=msg):
-        attention_forward(q, k, v, mask, None, 0, 100, 100, p, 0)
+        fastattn.attention(q, k, v, mask, dropout_p=p, enable_gqa=True, backend="triton")
+
+
+def test_kernel_limits():
+    """What only the kernels know, checked by their launchers: head dims up to 256, and offsets
+    within one (batch, head) slice that fit in int32 (meta tensors: no memory)."""
+    q, k, v = (torch.empty(1, 1, 2, 512) for _ in range(3))
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        attention_forward(q, k, v, None, 1.0, 0, 100, 100, 0.0, 0)
+    q = torch.empty(1, 1, 2, 16, device="meta")
+    kv = torch.empty(1, 1, 2**27 + 1, 16, device="meta")  # (2**27) * 16 = 2**31
+    with pytest.raises(ValueError, match="k .* int32"):
+        attention_forward(q, kv, kv, None, 1.0, 0, 0, 0, 0.0, 0)
 
 
 def test_tma_path_choice(monkeypatch):
     """The descriptor path needs 16-byte aligned bases and row strides; "0" turns it off,
     "auto" keeps it to Hopper-class GPUs, and tracing (fake tensors) never takes it."""
-    monkeypatch.setattr(attn, "_disabled", {})
+    monkeypatch.setattr(descriptors, "disabled", {})
     x = torch.zeros(2, 3, 5, 64, dtype=torch.float16, device=DEVICE)
     odd = torch.zeros(2, 3, 5, 100, dtype=torch.float16, device=DEVICE)  # rows of 200 bytes
     shifted = torch.zeros(2, 3, 5, 65, dtype=torch.float16, device=DEVICE)[..., 1:]
-    monkeypatch.setattr(attn, "TMA", "1")
-    assert attn._use_tma(x, x) == attn._HAS_DESCRIPTORS
-    assert not attn._use_tma(x, odd) and not attn._use_tma(shifted)
-    assert not attn._use_tma(x.transpose(2, 3))  # last dim not contiguous
-    assert not attn._use_tma(x, x[:, :, :1].expand(x.shape))  # rows broadcast (stride 0)
+    monkeypatch.setattr(descriptors, "TMA", "1")
+    assert descriptors.use_tma(x, x) == descriptors.HAS_DESCRIPTORS
+    assert not descriptors.use_tma(x, odd) and not descriptors.use_tma(shifted)
+    assert not descriptors.use_tma(x.transpose(2, 3))  # last dim not contiguous
+    assert not descriptors.use_tma(x, x[:, :, :1].expand(x.shape))  # rows broadcast (stride 0)
     with torch._subclasses.FakeTensorMode() as mode:
-        assert not attn._use_tma(mode.from_tensor(x))
-    monkeypatch.setattr(attn, "TMA", "0")
-    assert not attn._use_tma(x) and attn.tma_status()["default_path"] == "pointer"
-    monkeypatch.setattr(attn, "TMA", "auto")
+        assert not descriptors.use_tma(mode.from_tensor(x))
+    monkeypatch.setattr(descriptors, "TMA", "0")
+    assert not descriptors.use_tma(x) and descriptors.tma_status()["default_path"] == "pointer"
+    monkeypatch.setattr(descriptors, "TMA", "auto")
     hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    assert attn._use_tma(x) == (hopper and attn._HAS_DESCRIPTORS)
-    monkeypatch.setattr(attn, "TMA", "yes")
+    assert descriptors.use_tma(x) == (hopper and descriptors.HAS_DESCRIPTORS)
+    monkeypatch.setattr(descriptors, "TMA", "yes")
     with pytest.raises(ValueError, match="FASTATTN_TRITON_TMA"):
-        attn._use_tma(x)
+        descriptors.use_tma(x)
 
 
 def test_tma_failure_falls_back_once(monkeypatch):
     """A launch whose descriptor variant fails to build switches that feature off (warp
     specialization first when it was a candidate) and repeats on the path left."""
-    monkeypatch.setattr(attn, "_disabled", {})
-    monkeypatch.setattr(attn, "_warp_specialize_ok",
-                        lambda: "warp_specialize" not in attn._disabled)
+    monkeypatch.setattr(descriptors, "disabled", {})
+    monkeypatch.setattr(descriptors, "warp_specialize_ok",
+                        lambda: "warp_specialize" not in descriptors.disabled)
     launched = []
 
     def launch(use_tma):
@@ -271,13 +288,13 @@ def test_tma_failure_falls_back_once(monkeypatch):
             raise RuntimeError("PassManager::run failed")
         launched.append(use_tma)
 
-    attn._launch(launch, True, ws_candidate=True)
-    assert launched == [False] and list(attn._disabled) == ["warp_specialize", "tma"]
-    assert "PassManager" in attn._disabled["tma"]
-    attn._launch(launch, True)  # not tried again
+    descriptors.launch(launch, True, ws_candidate=True)
+    assert launched == [False] and list(descriptors.disabled) == ["warp_specialize", "tma"]
+    assert "PassManager" in descriptors.disabled["tma"]
+    descriptors.launch(launch, True)  # not tried again
     assert launched == [False, False]
-    assert attn.tma_status()["disabled"] == attn._disabled
-    assert attn.tma_status()["default_path"] == "pointer"
+    assert descriptors.tma_status()["disabled"] == descriptors.disabled
+    assert descriptors.tma_status()["default_path"] == "pointer"
 
 
 def test_warp_specialized_configs_only_where_allowed(monkeypatch):
@@ -287,7 +304,7 @@ def test_warp_specialized_configs_only_where_allowed(monkeypatch):
                 Q=torch.empty(0, dtype=torch.bfloat16), lq_bucket=4096)
 
     def kept(ok, **changes):
-        monkeypatch.setattr(attn, "_warp_specialize_ok", lambda: ok)
+        monkeypatch.setattr(descriptors, "warp_specialize_ok", lambda: ok)
         return [c.kwargs["WARP_SPECIALIZE"] for c in attn._prune(configs, {}, kernel="fwd",
                                                                  **{**args, **changes})]
 
@@ -303,7 +320,7 @@ def test_warp_specialized_only_configs_run_plain_where_not_allowed(monkeypatch):
     sets up) runs them as the plain loop once warp specialization is off, never nothing."""
     ws = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "WARP_SPECIALIZE": True}, num_warps=4,
                        num_stages=3)
-    monkeypatch.setattr(attn, "_warp_specialize_ok", lambda: False)
+    monkeypatch.setattr(descriptors, "warp_specialize_ok", lambda: False)
     kept = attn._prune([ws], {}, kernel="fwd", BLOCK_D=64, BLOCK_DV=64, USE_TMA=True,
                        HAS_MASK=False, HAS_DROPOUT=False, Q=torch.empty(0), lq_bucket=4096)
     assert [(c.kwargs["BLOCK_M"], c.kwargs["WARP_SPECIALIZE"]) for c in kept] == [(64, False)]
@@ -342,12 +359,12 @@ def test_autotune_keys_bucket_lengths():
 def test_warp_specialized_loop(monkeypatch):
     """The forward's warp-specialized interior loop (autotuned only on Hopper and newer) gives
     the reference result; under the interpreter the keyword is accepted and the loop runs as is."""
-    if not (attn._HAS_DESCRIPTORS and attn._HAS_WARP_SPECIALIZE):
+    if not (descriptors.HAS_DESCRIPTORS and descriptors.HAS_WARP_SPECIALIZE):
         pytest.skip(f"Triton {triton.__version__} lacks descriptors or warp specialization")
-    if DEVICE == "cuda" and not attn._hopper_or_newer():
+    if DEVICE == "cuda" and not descriptors.hopper_or_newer():
         pytest.skip("warp specialization is only tried on Hopper and newer")
-    monkeypatch.setattr(attn, "TMA", "1")
-    monkeypatch.setattr(attn, "_disabled", {})
+    monkeypatch.setattr(descriptors, "TMA", "1")
+    monkeypatch.setattr(descriptors, "disabled", {})
     bm, bn, warps, stages = (16, 16, 4, 1) if DEVICE == "cpu" else (128, 64, 4, 3)
     config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": True},
                            num_warps=warps, num_stages=stages)
@@ -359,7 +376,7 @@ def test_warp_specialized_loop(monkeypatch):
     want, want_lse = ref.attention(_np(q), _np(k), _np(v), scale=0.125)
     _assert_close("out", out, want, TOL[dtype])
     _assert_close("lse", lse, want_lse, max(TOL[dtype], 1e-5))
-    assert attn._disabled == {}, f"the warp-specialized path failed: {attn._disabled}"
+    assert descriptors.disabled == {}, f"the warp-specialized path failed: {descriptors.disabled}"
 
 
 def test_autotune_off_keeps_the_first_pruned_config(monkeypatch):

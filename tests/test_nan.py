@@ -159,13 +159,13 @@ def _check_rule(name, L, ref):
 
 @pytest.fixture(params=["pointer", "tma"])
 def triton_path(request, monkeypatch):
-    from fastattn.kernels import attention as attn
-    if request.param == "tma" and not attn._HAS_DESCRIPTORS:
+    from fastattn.kernels import descriptors
+    if request.param == "tma" and not descriptors.HAS_DESCRIPTORS:
         pytest.skip("this Triton has no tl.make_tensor_descriptor")
-    monkeypatch.setattr(attn, "TMA", "1" if request.param == "tma" else "0")
-    monkeypatch.setattr(attn, "_disabled", {})
+    monkeypatch.setattr(descriptors, "TMA", "1" if request.param == "tma" else "0")
+    monkeypatch.setattr(descriptors, "disabled", {})
     yield request.param
-    assert attn._disabled == {}, f"the descriptor path failed: {attn._disabled}"
+    assert descriptors.disabled == {}, f"the descriptor path failed: {descriptors.disabled}"
 
 
 # (name, Lq, Lk, H, Hkv, causal, window, mask, dropout_p, [(tensor, row, feature, value)])
@@ -273,12 +273,13 @@ def test_nan_rule_warp_specialized_fixup(monkeypatch):
     import triton
 
     from fastattn.kernels import attention as attn
-    if not (attn._HAS_DESCRIPTORS and attn._HAS_WARP_SPECIALIZE):
+    from fastattn.kernels import attention_launch, descriptors
+    if not (descriptors.HAS_DESCRIPTORS and descriptors.HAS_WARP_SPECIALIZE):
         pytest.skip("this Triton lacks descriptors or warp specialization")
-    if torch.cuda.is_available() and not attn._hopper_or_newer():
+    if torch.cuda.is_available() and not descriptors.hopper_or_newer():
         pytest.skip("warp specialization is only tried on Hopper and newer")
-    monkeypatch.setattr(attn, "TMA", "1")
-    monkeypatch.setattr(attn, "_disabled", {})
+    monkeypatch.setattr(descriptors, "TMA", "1")
+    monkeypatch.setattr(descriptors, "disabled", {})
     bm, bn, warps, stages = (16, 16, 4, 1) if attn._INTERPRET else (128, 64, 4, 3)
     config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": True},
                            num_warps=warps, num_stages=stages)
@@ -288,9 +289,9 @@ def test_nan_rule_warp_specialized_fixup(monkeypatch):
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(3))
     v[0, 0, 20, 3] = NAN  # the causal rows 16..19 of its tile do not attend it
-    out, lse = attn.attention_forward(q.to(device), k.to(device), v.to(device), None, 0.125,
+    out, lse = attention_launch.attention_forward(q.to(device), k.to(device), v.to(device), None, 0.125,
                                       *reference.structural_band(40, 40, True), 0.0, None)
     want, want_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=0.125,
                                          causal=True)
     _assert_matches([out, lse], [want, want_lse], dtype)
-    assert attn._picked_warp_specialized() and attn._disabled == {}
+    assert attention_launch._picked_warp_specialized() and descriptors.disabled == {}

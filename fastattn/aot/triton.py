@@ -9,7 +9,7 @@ and compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 
 Triton's own launch path would on the device. Each variant gives a :class:`report.Row`: ptxas's
 registers and spills, the shared memory Triton asks for, and the SASS features (cuobjdump).
 
-Descriptor (TMA) and pointer paths are both compiled for attention (``kernels.attention.TMA``
+Descriptor (TMA) and pointer paths are both compiled for attention (``kernels.descriptors.TMA``
 forced to 1 and 0); warp-specialized configs are kept where the pruner keeps them on a Hopper GPU.
 Tensor contents never matter, only shapes, dtypes, strides and 16-byte alignment.
 
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from fastattn.aot.report import Row, parse_ptxas, sass_features, sass_of
+from fastattn.aot.report import Row, parse_ptxas, sass_digest, sass_features, sass_of
 
 H100 = {"capability": (9, 0), "sms": 132, "shared_bytes": 227 * 1024}
 
@@ -51,7 +51,7 @@ REQUIRED_TMA = ("tma",)
 @dataclasses.dataclass
 class Case:
     """One launcher call: ``run()`` calls it on CPU tensors; ``name`` says what it stands for;
-    ``paths`` are the values of kernels.attention.TMA it is run under."""
+    ``paths`` are the values of kernels.descriptors.TMA it is run under."""
     op: str
     name: str
     run: Callable[[], object]
@@ -81,7 +81,7 @@ _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _attention_cases():
-    from fastattn.kernels import attention as A
+    from fastattn.kernels import attention_launch as AL
 
     def attn(d, dtype, L=4096, Lk=None, causal=False, mask=None, dropout=0.0, backward=True,
              dmask=False, window=None):
@@ -97,9 +97,10 @@ def _attention_cases():
         band = (Lk - L, left, right)
 
         def run():
-            out, lse = A.attention_forward(q, k, v, m, None, *band, dropout, 1)
+            out, lse = AL.attention_forward(q, k, v, m, d ** -0.5, *band, dropout, 1)
             if backward:
-                A.attention_backward(out, q, k, v, out, lse, m, None, *band, dropout, 1, dmask)
+                AL.attention_backward(out, q, k, v, out, lse, m, d ** -0.5, *band, dropout,
+                                      1, dmask)
         return run
 
     def jvp(d, dtype, L=4096):
@@ -297,7 +298,7 @@ def capture(selected, *, all_configs=True, target=H100):
     kernels that are not autotuned."""
     from triton.runtime.autotuner import Autotuner
 
-    from fastattn.kernels import attention as A
+    from fastattn.kernels import descriptors
 
     launches = []
     tuned = set()
@@ -306,13 +307,13 @@ def capture(selected, *, all_configs=True, target=H100):
             if case.tune:
                 tuned.add(f"{case.op}: {case.name}")
             for path in case.paths:
-                saved_tma = A.TMA
-                A.TMA = path
+                saved_tma = descriptors.TMA
+                descriptors.TMA = path
                 try:
                     with _recording(launches, f"{case.op}: {case.name}", path):
                         case.run()
                 finally:
-                    A.TMA = saved_tma
+                    descriptors.TMA = saved_tma
         variants = []
         seen = set()
         for launch in launches:
@@ -416,7 +417,7 @@ def compile_variant(launch, config, target=H100):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fastattn.kernels import attention as A
+    from fastattn.kernels import descriptors
 
     fn = _jit_function(launch.fn)
     kwargs = _launch_kwargs(launch, config)
@@ -430,7 +431,7 @@ def compile_variant(launch, config, target=H100):
               smem_limit=target.get("shared_bytes", 0))
     row.spill_budget = max([budget for (kernel, word), (budget, _) in SPILL_BUDGET.items()
                             if kernel == name and word in row.case.split()] or [0])
-    if kwargs.get("USE_TMA", False) and A._HAS_DESCRIPTORS:
+    if kwargs.get("USE_TMA", False) and descriptors.HAS_DESCRIPTORS:
         row.required = REQUIRED_TMA
     if _warp_specialized(config):  # producer/consumer warps resize their register files
         row.required += ("setmaxnreg",)
@@ -451,7 +452,8 @@ def compile_variant(launch, config, target=H100):
     row.spill_stores, row.spill_loads = mine.get("spill_stores", 0), mine.get("spill_loads", 0)
     row.smem = max(int(kernel.metadata.shared), mine.get("smem", 0))
     sass = sass_of(kernel.asm["cubin"])
-    row.features = sass_features(sass.get(kernel.metadata.name, "\n".join(sass.values())))
+    text = sass.get(kernel.metadata.name, "\n".join(sass.values()))
+    row.features, row.digest = sass_features(text), sass_digest(text)
     return row
 
 

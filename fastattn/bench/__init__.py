@@ -409,7 +409,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     except ImportError:
         env["triton"] = None
     else:
-        from fastattn.kernels.attention import tma_status
+        from fastattn.kernels.descriptors import tma_status
 
         env["triton_attention"] = tma_status()
     if device.type == "cuda":

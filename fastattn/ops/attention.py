@@ -206,6 +206,7 @@ def _triton_fwd(
     dropout_p: float,
     seed: int,
 ) -> tuple[Tensor, Tensor]:
+    _check_op(q, k, v, mask, dropout_p)
     return _kernels.attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
 
 
@@ -225,6 +226,9 @@ def _triton_bwd(
     seed: int,
     need_dmask: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, H, Lq, _ = q.shape
+    _check_op(q, k, v, mask, dropout_p, dout=(dout, (B, H, Lq, v.shape[-1]), q.dtype),
+              out=(out, (B, H, Lq, v.shape[-1]), q.dtype), lse=(lse, (B, H, Lq), torch.float32))
     dq, dk, dv, dmask = _kernels.attention_backward(
         dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed, need_dmask
     )
@@ -256,6 +260,12 @@ def _triton_jvp(
     dropout_p: float,
     seed: int,
 ) -> tuple[Tensor, Tensor]:
+    tangents = {name: (t, p.shape, p.dtype) for name, t, p in
+                (("tq", tq, q), ("tk", tk, k), ("tv", tv, v), ("tmask", tmask, mask)) if t is not None}
+    if tmask is not None and (mask is None or mask.dtype == torch.bool):
+        raise ValueError(f"tmask (the mask's tangent) needs a float mask of its shape, got mask "
+                         f"{None if mask is None else mask.dtype}")
+    _check_op(q, k, v, mask, dropout_p, **tangents)
     return _jvp_kernels.attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right,
                                       dropout_p, seed)
 
@@ -435,7 +445,7 @@ def _within(max_head_dim: int, max_len: int | None = None):
     return limits
 
 
-_kernels = triton_kernels("attention")
+_kernels = triton_kernels("attention_launch")
 _jvp_kernels = triton_kernels("attention_jvp")
 _DEFINED = define_op(
     "attention",
@@ -510,6 +520,18 @@ def _validate(q, k, v, mask, dropout_p, enable_gqa, causal, window):
             ) from None
         mask = mask.expand(target)
     return mask
+
+
+def _check_op(q, k, v, mask, dropout_p, **like):
+    """The registered Triton ops' check of their arguments (they may be called directly, through
+    ``torch.ops.fastattn``): the public function's :func:`_validate` (mask already of shape
+    (B, H, Lq, Lk)), plus each ``name=(tensor, shape, dtype)`` of ``like`` (dO, O, lse, tangents)
+    on q's device. The kernels' launchers check only their own limits."""
+    _validate(q, k, v, mask, dropout_p, True, False, None)
+    for name, (t, shape, dtype) in like.items():
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {q.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 def attention(

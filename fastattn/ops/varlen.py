@@ -133,6 +133,7 @@ def _triton_fwd(
     max_seqlen_q: int, max_seqlen_k: int, scale: float, bottom_right: bool, left: int,
     right: int, dropout_p: float, seed: int,
 ) -> tuple[Tensor, Tensor]:
+    _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, max_seqlen_q, max_seqlen_k)
     return _kernels.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    scale, bottom_right, left, right, dropout_p, seed)
 
@@ -142,6 +143,13 @@ def _triton_bwd(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
     scale: float, bottom_right: bool, left: int, right: int, dropout_p: float, seed: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, max_seqlen_q, max_seqlen_k)
+    for name, t, shape, dtype in (("dout", dout, (*q.shape[:2], v.shape[-1]), q.dtype),
+                                  ("out", out, (*q.shape[:2], v.shape[-1]), q.dtype),
+                                  ("lse", lse, q.shape[1::-1], torch.float32)):
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {q.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
     return _kernels.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, scale, bottom_right, left,
                                     right, dropout_p, seed)
@@ -151,6 +159,9 @@ def _triton_paged(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
     scale: float, bottom_right: bool, left: int, right: int,
 ) -> tuple[Tensor, Tensor]:
+    _check_tensor("q", q, 4, "(batch, heads, new_tokens, head_dim)")
+    _check_paged_shapes("q", q, k_cache, v_cache, block_table, cache_seqlens)
+    _check_paged_heads(q, k_cache)
     return _kernels.paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale,
                                   bottom_right, left, right)
 
@@ -225,6 +236,36 @@ def _check_band(causal, window) -> None:
         raise ValueError(f"window must be (left, right) with non-negative ints or None, got {window!r}")
 
 
+def _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, *max_seqlens) -> None:
+    """The structural checks of a packed call (ranks, dtypes, devices, shapes), run by
+    :func:`varlen_attention` and by the registered Triton ops (callable through ``torch.ops``);
+    the kernels' launchers check only their own limits. No device-to-host sync: the values of
+    cu_seqlens are checked by the public function."""
+    _check_tensor("q", q, 3, "(total_q, heads, head_dim)")
+    _check_tensor("k", k, 3, "(total_k, kv_heads, head_dim)")
+    _check_tensor("v", v, 3, "(total_k, kv_heads, head_dim_v)")
+    _check_float("q", q, q, "q")
+    _check_float("k", k, q, "q")
+    _check_float("v", v, q, "q")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must share total length and kv heads")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q head dim {q.shape[2]} differs from k head dim {k.shape[2]} "
+                         f"(q {list(q.shape)}, k {list(k.shape)})")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)", q.device)
+    _check_int32("cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)", q.device)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    batch1 = cu_seqlens_q.shape[0]
+    if batch1 < 1 or cu_seqlens_k.shape[0] != batch1:
+        raise ValueError(f"cu_seqlens_q {list(cu_seqlens_q.shape)} and cu_seqlens_k {list(cu_seqlens_k.shape)} "
+                         f"must both be (batch + 1,) with batch >= 0")
+    if any(m is not None and m < 0 for m in max_seqlens):
+        raise ValueError(f"max_seqlen_q / max_seqlen_k must be >= 0, got {max_seqlens}")
+
+
 def _band_args(causal, window, unbounded: int) -> tuple[bool, int, int]:
     """``(bottom_right, left, right)`` with unbounded sides as ``unbounded``."""
     left = right = unbounded
@@ -266,11 +307,9 @@ def _owned_slots(block_table: Tensor) -> Tensor:
     return torch.cumprod((block_table >= 0).int(), dim=1).sum(1)
 
 
-def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra: int = 0) -> None:
-    """Checks shared by paged_attention (q (B, H, Lq, D)) and paged_cache_append (k_new, with
-    ``extra`` new tokens that must fit in the blocks each row owns too, and may not share a slot).
-    The value checks run where the tensors are, with one device-to-host sync; only a failure is
-    diagnosed on the host."""
+def _check_paged_shapes(q_name, q, k_cache, v_cache, block_table, cache_seqlens) -> None:
+    """The structural part of :func:`_check_paged` (no device-to-host sync), also run by the
+    registered Triton op."""
     _check_tensor("k_cache", k_cache, 4, "(num_blocks, block_size, kv_heads, head_dim)")
     _check_tensor("v_cache", v_cache, 4, "(num_blocks, block_size, kv_heads, head_dim_v)")
     _check_float("k_cache", k_cache, q, q_name)
@@ -286,6 +325,25 @@ def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra:
     if block_table.shape[0] != B or cache_seqlens.shape[0] != B:
         raise ValueError(f"block_table {list(block_table.shape)} and cache_seqlens "
                          f"{list(cache_seqlens.shape)} must have {q_name}'s batch size {B}")
+
+
+def _check_paged_heads(q, k_cache) -> None:
+    """paged_attention's q against the caches: head dim, GQA group."""
+    if k_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"q head dim {q.shape[3]} differs from k_cache head dim {k_cache.shape[3]} "
+                         f"(q {list(q.shape)}, k_cache {list(k_cache.shape)})")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of the caches' kv heads "
+                         f"({k_cache.shape[2]})")
+
+
+def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra: int = 0) -> None:
+    """Checks shared by paged_attention (q (B, H, Lq, D)) and paged_cache_append (k_new, with
+    ``extra`` new tokens that must fit in the blocks each row owns too, and may not share a slot).
+    The value checks run where the tensors are, with one device-to-host sync; only a failure is
+    diagnosed on the host."""
+    _check_paged_shapes(q_name, q, k_cache, v_cache, block_table, cache_seqlens)
+    B = q.shape[0]
     num_blocks, bs = k_cache.shape[0], k_cache.shape[1]
     bad_entry = (block_table < -1) | (block_table >= num_blocks)
     room = _owned_slots(block_table) * bs
@@ -348,28 +406,9 @@ def varlen_attention(
     sequence ``b`` (docs/numerics.md). Rows with nothing to attend (empty key sequences
     included) output 0 with gradient 0.
     """
-    _check_tensor("q", q, 3, "(total_q, heads, head_dim)")
-    _check_tensor("k", k, 3, "(total_k, kv_heads, head_dim)")
-    _check_tensor("v", v, 3, "(total_k, kv_heads, head_dim_v)")
-    _check_float("q", q, q, "q")
-    _check_float("k", k, q, "q")
-    _check_float("v", v, q, "q")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must share total length and kv heads")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"q head dim {q.shape[2]} differs from k head dim {k.shape[2]} "
-                         f"(q {list(q.shape)}, k {list(k.shape)})")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    _check_int32("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)", q.device)
-    _check_int32("cu_seqlens_k", cu_seqlens_k, 1, "(batch + 1,)", q.device)
+    _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p)
     _check_band(causal, window)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     batch1 = cu_seqlens_q.shape[0]
-    if batch1 < 1 or cu_seqlens_k.shape[0] != batch1:
-        raise ValueError(f"cu_seqlens_q {list(cu_seqlens_q.shape)} and cu_seqlens_k {list(cu_seqlens_k.shape)} "
-                         f"must both be (batch + 1,) with batch >= 0")
     host = torch.cat([cu_seqlens_q, cu_seqlens_k]).cpu()  # one device-to-host copy
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, _seqlens("cu_seqlens_q", host[:batch1], q.shape[0]))
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, _seqlens("cu_seqlens_k", host[batch1:], k.shape[0]))
@@ -411,12 +450,7 @@ def paged_attention(
     _check_float("q", q, q, "q")
     _check_band(causal, window)
     _check_paged("q", q, k_cache, v_cache, block_table, cache_seqlens)
-    if k_cache.shape[3] != q.shape[3]:
-        raise ValueError(f"q head dim {q.shape[3]} differs from k_cache head dim {k_cache.shape[3]} "
-                         f"(q {list(q.shape)}, k_cache {list(k_cache.shape)})")
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of the caches' kv heads "
-                         f"({k_cache.shape[2]})")
+    _check_paged_heads(q, k_cache)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     unbounded = q.shape[2] + block_table.shape[1] * k_cache.shape[1]
     bottom_right, left, right = _band_args(causal, window, unbounded)
