@@ -24,6 +24,11 @@ class _Config:
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def coerce(cls, config):
+        """``config`` itself, or the config a dict describes (the models' ``from_config``)."""
+        return cls.from_dict(config) if isinstance(config, dict) else config
+
 
 @dataclass
 class TransformerConfig(_Config):

@@ -180,9 +180,7 @@ class GPT(torch.nn.Module):
 
     @classmethod
     def from_config(cls, config: GPTConfig | dict, **kwargs) -> "GPT":
-        if isinstance(config, dict):
-            config = GPTConfig.from_dict(config)
-        return cls(config, **kwargs)
+        return cls(GPTConfig.coerce(config), **kwargs)
 
     def reset_parameters(self) -> None:
         """GPT-2 initialization."""

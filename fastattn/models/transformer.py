@@ -61,9 +61,7 @@ class Transformer(torch.nn.Module):
 
     @classmethod
     def from_config(cls, config: TransformerConfig | dict, **kwargs) -> "Transformer":
-        if isinstance(config, dict):
-            config = TransformerConfig.from_dict(config)
-        return cls(config, **kwargs)
+        return cls(TransformerConfig.coerce(config), **kwargs)
 
     def reset_parameters(self) -> None:
         """Xavier-uniform matrices, zero biases, unit norms; the padding embedding is zero."""

@@ -63,6 +63,30 @@ class _FastLayerMixin:
     activation_name: str = "relu"
     fused_ffn: bool = True  # False: the feed-forward runs as torch ops with ``self.activation``
 
+    # torch.nn.TransformerEncoderLayer and TransformerDecoderLayer share this signature; ours
+    # adds ``backend`` and takes activation names (torch's layer is built with relu, then patched).
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = "relu",
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        backend: str | None = None,
+    ) -> None:
+        activation_name(activation)  # fail early, with our message
+        super().__init__(
+            d_model, nhead, dim_feedforward, dropout, "relu", layer_norm_eps, batch_first, norm_first,
+            bias, device, dtype,
+        )
+        self._fastattn_init(activation, backend, dim_feedforward, bias, {"device": device, "dtype": dtype})
+
     def _fastattn_init(self, activation, backend, dim_feedforward, bias, factory) -> None:
         self.backend = backend
         name = activation_name(activation)
@@ -107,28 +131,6 @@ class TransformerEncoderLayer(_FastLayerMixin, torch.nn.TransformerEncoderLayer)
     ``linear1`` ``2 * dim_feedforward`` outputs) or one of torch's relu / gelu / silu callables.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        nhead: int,
-        dim_feedforward: int = 2048,
-        dropout: float = 0.1,
-        activation: str | Callable[[Tensor], Tensor] = "relu",
-        layer_norm_eps: float = 1e-5,
-        batch_first: bool = False,
-        norm_first: bool = False,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-        backend: str | None = None,
-    ) -> None:
-        activation_name(activation)  # fail early, with our message
-        super().__init__(
-            d_model, nhead, dim_feedforward, dropout, "relu", layer_norm_eps, batch_first, norm_first,
-            bias, device, dtype,
-        )
-        self._fastattn_init(activation, backend, dim_feedforward, bias, {"device": device, "dtype": dtype})
-
     def forward(
         self,
         src: Tensor,
@@ -155,28 +157,6 @@ class TransformerDecoderLayer(_FastLayerMixin, torch.nn.TransformerDecoderLayer)
     ``tgt_is_causal=True`` applies the causal band to the self-attention even without a
     ``tgt_mask``.
     """
-
-    def __init__(
-        self,
-        d_model: int,
-        nhead: int,
-        dim_feedforward: int = 2048,
-        dropout: float = 0.1,
-        activation: str | Callable[[Tensor], Tensor] = "relu",
-        layer_norm_eps: float = 1e-5,
-        batch_first: bool = False,
-        norm_first: bool = False,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-        backend: str | None = None,
-    ) -> None:
-        activation_name(activation)
-        super().__init__(
-            d_model, nhead, dim_feedforward, dropout, "relu", layer_norm_eps, batch_first, norm_first,
-            bias, device, dtype,
-        )
-        self._fastattn_init(activation, backend, dim_feedforward, bias, {"device": device, "dtype": dtype})
 
     def forward(
         self,

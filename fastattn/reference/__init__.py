@@ -94,17 +94,10 @@ def _fmix32_u64(x):
 def fmix32(x):
     """MurmurHash3's 32-bit finaliser, elementwise, with uint32 wrapping arithmetic.
 
-    ``x`` is taken modulo 2**32. Returns uint32 (a 0-d array for a scalar input).
-    Pure-Python definition::
-
-        def fmix32(x):
-            x &= 0xFFFFFFFF
-            x ^= x >> 16
-            x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-            x ^= x >> 13
-            x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-            x ^= x >> 16
-            return x
+    ``x`` is taken modulo 2**32. Returns uint32 (a 0-d array for a scalar input). The steps:
+    ``x ^= x >> 16``, ``x *= 0x85EBCA6B``, ``x ^= x >> 13``, ``x *= 0xC2B2AE35``,
+    ``x ^= x >> 16``, each product taken modulo 2**32 (tests/test_reference.py checks this
+    against a pure-Python version).
     """
     return _fmix32_u64(_as_u32_array(x)).astype(np.uint32)
 
