@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from fastattn import contracts
+
 logger = logging.getLogger("fastattn")
 
 BUILTIN = ("triton", "cuda", "cpu", "naive")
@@ -164,8 +166,9 @@ def register_backend(
 ) -> None:
     """Make ``fn`` the implementation of ``op`` for backend ``name``.
 
-    ``fn`` follows the op's backend contract (the ``Backend contract`` in the docstring of the
-    op's module, e.g. :mod:`fastattn.ops.softmax`). A new backend name is created on first
+    ``fn`` follows the op's backend contract: the typed signature in :mod:`fastattn.contracts`
+    (checked here: a function that cannot be called that way is a TypeError now, not at its first
+    call) and the shapes in the docstring of the op's module, e.g. :mod:`fastattn.ops.softmax`. A new backend name is created on first
     registration, usable on ``devices`` (default cuda and cpu). ``devices``, ``dtypes`` and
     ``limits`` declare what this implementation takes (see :class:`Capability`); left None they
     are the backend's own. :func:`select` refuses a call outside them before ``fn`` is called.
@@ -173,6 +176,9 @@ def register_backend(
     """
     if not callable(fn):
         raise TypeError(f"the implementation of {op!r} for backend {name!r} must be callable, got {type(fn).__name__}")
+    why = contracts.mismatch(op, fn)
+    if why is not None:
+        raise TypeError(f"the implementation of {op!r} for backend {name!r} does not fit the op's contract: {why}")
     backend = _REGISTRY.setdefault(name, Backend(name, tuple(devices or ("cuda", "cpu"))))
     backend.impls[op] = fn
     backend.caps[op] = Capability(

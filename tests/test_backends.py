@@ -101,3 +101,36 @@ def test_import_works_without_the_extension():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_every_op_has_a_typed_contract_that_its_backends_fit():
+    """fastattn.contracts types each op's backend contract; every registered implementation
+    (built-in or user) can be called as it says, and each op that define_op wired has one."""
+    from fastattn import contracts
+    from fastattn.ops._library import DEFINED
+
+    assert set(DEFINED) <= set(contracts.CONTRACTS), set(DEFINED) - set(contracts.CONTRACTS)
+    checked = 0
+    for name, backend in backends._REGISTRY.items():
+        for op, fn in backend.impls.items():
+            assert contracts.mismatch(op, fn) is None, (op, name)
+            checked += 1
+    assert checked >= len(DEFINED)  # at least naive for every op
+    assert contracts.arguments("attention") == ["q", "k", "v", "mask", "scale", "offset", "left",
+                                                "right", "dropout_p", "seed"]
+
+
+def test_register_backend_refuses_a_function_that_does_not_fit_the_contract():
+    with pytest.raises(TypeError, match=r"contract.*fn\(x, cos, sin, positions, interleaved\)"):
+        fastattn.register_backend("rope", "too_few", lambda x, cos, sin: x)
+    with pytest.raises(TypeError, match="SoftmaxBackend"):
+        fastattn.register_backend("softmax", "keyword_only", lambda x, *, mask, scale, is_causal: x)
+    assert "too_few" not in backends.implementations("rope")
+
+    def mine(x, mask, scale, is_causal, extra=None):  # extra defaults: fits
+        return x
+    fastattn.register_backend("softmax", "fits_test", mine)
+    try:
+        assert "fits_test" in backends.implementations("softmax")
+    finally:
+        del backends._REGISTRY["fits_test"]
