@@ -106,48 +106,29 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
   const A neg_inf = -std::numeric_limits<A>::infinity();
   std::vector<A> sbuf((BQ + R) * BK), obuf(kStats ? 0 : (BQ + R) * std::max(Dvp, W));
   std::vector<A> m(BQ), l(BQ), z(p.drop.on ? BK : 0);
-  const int64_t BH = sh.B * sh.H, ntasks = BH * p.nqb;
+  const int64_t ntasks = sh.B * sh.H * p.nqb;
   for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
-    const int64_t qb = p.qb_order[t / BH], bh = t % BH, b = bh / sh.H, h = bh % sh.H;
-    const int64_t bg = b * sh.Hkv + h / sh.G;
-    const int64_t i0 = qb * BQ, nq = std::min(BQ, sh.Lq - i0);
-    const uint32_t stream = p.drop.on ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
+    const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, BQ, p.drop);
     const A* qblk = p.qp + (bh * sh.Lq + i0) * p.qld;
     std::fill(m.begin(), m.begin() + nq, neg_inf);
     std::fill(l.begin(), l.begin() + nq, A(0));
     if constexpr (!kStats) std::fill(obuf.begin(), obuf.end(), A(0));
 
-    const int64_t jlo = std::max<int64_t>(0, i0 + p.band.lo);
-    const int64_t jhi = std::min<int64_t>(sh.Lk - 1, i0 + nq - 1 + p.band.hi);
-    for (int64_t kb = jlo / BK; jlo <= jhi && kb <= jhi / BK; ++kb) {
-      const int64_t j0 = kb * BK, nk = std::min(BK, sh.Lk - j0), nkp = round_up(nk, W);
-      const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
+    const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, BK);
+    for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
+      const KeyTile tile = key_tile(p.band, i0, nq, kb, BK, sh.Lk, W);
+      const auto [j0, nk, nkp, full] = tile;
       A* s = sbuf.data();
       cpu::gemm<V>(nq, nkp, D, qblk, p.qld, p.kt + (bg * p.nkb + kb) * D * BK, BK, s, BK, false);
       for (int64_t r = 0; r < nq; ++r) {
         A* sr = s + r * BK;
         const int64_t i = i0 + r;
-        if (p.mask.defined()) {
-          cpu::apply_mask_row(sr, nk, p.mask, p.mask.offset(b, h, i, j0), p.mask.stride[3]);
+        mask_band_row(sr, p.mask, p.band, b, h, i, tile);
+        A alpha;
+        if (!online_softmax_row<V>(sr, nk, nkp, m[r], l[r], alpha)) {
+          if constexpr (!kStats) std::fill(sr, sr + nk, -A(0));  // nothing visible yet: P = -0.0
+          continue;
         }
-        if (!full || nk < nkp) {
-          band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
-        }
-        const A mx = max_row<V>(sr, nkp);
-        A m_new = mx != mx ? mx : std::max(m[r], mx);  // NaN stays (std::max(m, NaN) is m)
-        if (m_new == neg_inf) {
-          // Nothing visible in this row yet -- unless a NaN score hid from max_row: P = -0.0
-          // (masked) then, else the row turns NaN.
-          if (std::none_of(sr, sr + nk, [](A x) { return x != x; })) {
-            if constexpr (!kStats) std::fill(sr, sr + nk, -A(0));
-            continue;
-          }
-          m_new = std::numeric_limits<A>::quiet_NaN();
-        }
-        const A alpha = cpu::sexp(m[r] - m_new);
-        const A sum = exp_sum_row<V>(sr, nkp, m_new);
-        l[r] = l[r] * alpha + sum;
-        m[r] = m_new;
         if constexpr (!kStats) {
           if (alpha != A(1)) scale_row<V>(obuf.data() + r * Dvp, Dvp, alpha);
           if (p.drop.on) {
@@ -235,14 +216,13 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
     std::fill(dv_acc.begin(), dv_acc.end(), A(0));
     const A* kblk = p.kp + (bg * sh.Lk + j0) * Dp;
     const A* vblk = p.vp + (bg * sh.Lk + j0) * Dvp;
-    const int64_t ilo = std::max<int64_t>(0, j0 - p.band.hi);
-    const int64_t ihi = std::min<int64_t>(sh.Lq - 1, j0 + nk - 1 - p.band.lo);
-    for (int64_t h = g * sh.G; ilo <= ihi && h < (g + 1) * sh.G; ++h) {
+    const TileSpan qs = query_tile_span(p.band, j0, nk, sh.Lq, TQ);
+    for (int64_t h = g * sh.G; qs.first <= qs.last && h < (g + 1) * sh.G; ++h) {
       const int64_t bh = b * sh.H + h;
       const uint32_t stream = drop ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
-      for (int64_t qb = ilo / TQ; qb <= ihi / TQ; ++qb) {
+      for (int64_t qb = qs.first; qb <= qs.last; ++qb) {
         const int64_t i0 = qb * TQ, nq = std::min(TQ, sh.Lq - i0), nqp = round_up(nq, W);
-        const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
+        const bool full = inside_band(p.band, i0, nq, j0, nk);
         const A* lse = p.lse + bh * p.Lq_pad + i0;
         const A* delta = p.delta + bh * p.Lq_pad + i0;
         // S^T = K Q^T, P^T = exp(S^T - lse)
@@ -291,69 +271,93 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
   }
 }
 
+// S = (scale Q) K^T and P = exp(S - lse) on the tile of query rows [i0, i0 + nq) of (b, h) by
+// key tile kb of kv head bg (s: rows of p.TK values), the mask and the band applied in between;
+// with dropout, each row's keep-mask Z in z (0 on the padding) and, when kPZ, P Z in pz.
+template <class V, bool kPZ>
+FASTATTN_INLINE void probs_tile(const BwdArgs<typename V::value_type>& p, int64_t b, int64_t h,
+                                int64_t bg, int64_t kb, uint32_t stream, int64_t i0, int64_t nq,
+                                const KeyTile& tile, const typename V::value_type* qblk,
+                                const typename V::value_type* lse, typename V::value_type* s,
+                                typename V::value_type* z, typename V::value_type* pz) {
+  using A = typename V::value_type;
+  const int64_t D = p.sh.D, TK = p.TK;
+  cpu::gemm<V>(nq, tile.nkp, D, qblk, p.Dp, p.kt + (bg * p.nkb + kb) * D * TK, TK, s, TK, false);
+  for (int64_t r = 0; r < nq; ++r) {
+    A* sr = s + r * TK;
+    const int64_t i = i0 + r;
+    mask_band_row(sr, p.mask, p.band, b, h, i, tile);
+    exp_row<V>(sr, tile.nkp, lse[r]);
+    if (p.drop.on) {
+      A* zr = z + r * TK;
+      dropout_row<A>(zr, tile.nk, dropout_row_base(i, p.sh.Lk) + static_cast<uint32_t>(tile.j0), 1,
+                     stream, p.drop.threshold, static_cast<A>(p.drop.inv_keep));
+      std::fill(zr + tile.nk, zr + tile.nkp, A(0));
+      if constexpr (kPZ) mul_row_to<V>(pz + r * TK, sr, tile.nkp, zr);
+    }
+  }
+}
+
+// dP = dO V^T, then dS = P (Z dP - delta) in place in dp on the same tile (P in s, Z in z);
+// dmask = dS (float32, -0 -> 0) when asked.
+template <class V>
+FASTATTN_INLINE void dscores_tile(const BwdArgs<typename V::value_type>& p, int64_t bh, int64_t bg,
+                                  int64_t kb, int64_t i0, int64_t nq, const KeyTile& tile,
+                                  const typename V::value_type* doblk,
+                                  const typename V::value_type* delta,
+                                  const typename V::value_type* s, const typename V::value_type* z,
+                                  typename V::value_type* dp) {
+  using A = typename V::value_type;
+  const int64_t Dv = p.sh.Dv, TK = p.TK;
+  cpu::gemm<V>(nq, tile.nkp, Dv, doblk, p.Dvp, p.vt + (bg * p.nkb + kb) * Dv * TK, TK, dp, TK,
+               false);
+  for (int64_t r = 0; r < nq; ++r) {
+    ds_row<V>(dp + r * TK, s + r * TK, p.drop.on ? z + r * TK : nullptr, tile.nkp, delta[r]);
+    if (p.dmask != nullptr) {
+      float* dst = p.dmask + (bh * p.sh.Lq + i0 + r) * p.sh.Lk + tile.j0;
+      const A* src = dp + r * TK;
+      for (int64_t c = 0; c < tile.nk; ++c) dst[c] = static_cast<float>(src[c]) + 0.0f;  // -0 -> 0
+    }
+  }
+}
+
+// dQ = scale * (dS K) for query rows [i0, i0 + nq) of head bh, from their accumulator (rows of p.Dp).
+template <class A>
+FASTATTN_INLINE void store_dq(const BwdArgs<A>& p, int64_t bh, int64_t i0, int64_t nq, const A* dq_acc) {
+  for (int64_t r = 0; r < nq; ++r) {
+    A* dst = p.dq + (bh * p.sh.Lq + i0 + r) * p.sh.D;
+    for (int64_t d = 0; d < p.sh.D; ++d) dst[d] = dq_acc[r * p.Dp + d] * p.scale;
+  }
+}
+
 template <class V>
 FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::atomic<int64_t>& next) {
   using A = typename V::value_type;
   constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
   const Shape& sh = p.sh;
-  const int64_t D = sh.D, Dv = sh.Dv, Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
+  const int64_t Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
   const bool drop = p.drop.on;
   std::vector<A> s((TQ + R) * TK), dp((TQ + R) * TK), z(drop ? TQ * TK : 0);
   std::vector<A> dq_acc((TQ + R) * std::max(Dp, W));
-  const int64_t BH = sh.B * sh.H, ntasks = BH * p.nqb;
+  const int64_t ntasks = sh.B * sh.H * p.nqb;
   for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
-    const int64_t qb = p.qb_order[t / BH], bh = t % BH, b = bh / sh.H, h = bh % sh.H;
-    const int64_t bg = b * sh.Hkv + h / sh.G;
-    const int64_t i0 = qb * TQ, nq = std::min(TQ, sh.Lq - i0);
-    const uint32_t stream = drop ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
+    const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, TQ, p.drop);
     std::fill(dq_acc.begin(), dq_acc.end(), A(0));
     const A* qblk = p.qp + (bh * sh.Lq + i0) * Dp;
     const A* doblk = p.dop + (bh * sh.Lq + i0) * Dvp;
     const A* lse = p.lse + bh * p.Lq_pad + i0;
     const A* delta = p.delta + bh * p.Lq_pad + i0;
-    const int64_t jlo = std::max<int64_t>(0, i0 + p.band.lo);
-    const int64_t jhi = std::min<int64_t>(sh.Lk - 1, i0 + nq - 1 + p.band.hi);
-    for (int64_t kb = jlo / TK; jlo <= jhi && kb <= jhi / TK; ++kb) {
-      const int64_t j0 = kb * TK, nk = std::min(TK, sh.Lk - j0), nkp = round_up(nk, W);
-      const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
-      cpu::gemm<V>(nq, nkp, D, qblk, Dp, p.kt + (bg * p.nkb + kb) * D * TK, TK, s.data(), TK, false);
-      for (int64_t r = 0; r < nq; ++r) {
-        A* sr = s.data() + r * TK;
-        const int64_t i = i0 + r;
-        if (p.mask.defined()) {
-          cpu::apply_mask_row(sr, nk, p.mask, p.mask.offset(b, h, i, j0), p.mask.stride[3]);
-        }
-        if (!full || nk < nkp) {
-          band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
-        }
-        exp_row<V>(sr, nkp, lse[r]);
-        if (drop) {
-          A* zr = z.data() + r * TK;
-          dropout_row<A>(zr, nk, dropout_row_base(i, sh.Lk) + static_cast<uint32_t>(j0), 1, stream,
-                         p.drop.threshold, static_cast<A>(p.drop.inv_keep));
-          std::fill(zr + nk, zr + nkp, A(0));
-        }
-      }
-      // dP = dO V^T, dS = P (Z dP - delta)
-      cpu::gemm<V>(nq, nkp, Dv, doblk, Dvp, p.vt + (bg * p.nkb + kb) * Dv * TK, TK, dp.data(), TK,
-                   false);
-      for (int64_t r = 0; r < nq; ++r) {
-        ds_row<V>(dp.data() + r * TK, s.data() + r * TK, drop ? z.data() + r * TK : nullptr, nkp,
-                  delta[r]);
-        if (p.dmask != nullptr) {
-          float* dst = p.dmask + (bh * sh.Lq + i0 + r) * sh.Lk + j0;
-          const A* src = dp.data() + r * TK;
-          for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]) + 0.0f;  // -0 -> 0
-        }
-      }
+    const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, TK);
+    for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
+      const KeyTile tile = key_tile(p.band, i0, nq, kb, TK, sh.Lk, W);
+      probs_tile<V, false>(p, b, h, bg, kb, stream, i0, nq, tile, qblk, lse, s.data(), z.data(),
+                           nullptr);
+      dscores_tile<V>(p, bh, bg, kb, i0, nq, tile, doblk, delta, s.data(), z.data(), dp.data());
       // dQ += dS K
-      gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, nk, dp.data(), TK,
-                  p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(), Dp);
+      gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, tile.nk, dp.data(), TK,
+                  p.kp + (bg * sh.Lk + tile.j0) * Dp, Dp, dq_acc.data(), Dp);
     }
-    for (int64_t r = 0; r < nq; ++r) {
-      A* dst = p.dq + (bh * sh.Lq + i0 + r) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = dq_acc[r * Dp + d] * p.scale;
-    }
+    store_dq(p, bh, i0, nq, dq_acc.data());
   }
 }
 
@@ -388,56 +392,23 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
         const A* lse = p.lse + bh * p.Lq_pad + i0;
         const A* delta = p.delta + bh * p.Lq_pad + i0;
         std::fill(dq_acc.begin(), dq_acc.end(), A(0));
-        const int64_t jlo = std::max<int64_t>(0, i0 + p.band.lo);
-        const int64_t jhi = std::min<int64_t>(sh.Lk - 1, i0 + nq - 1 + p.band.hi);
-        for (int64_t kb = jlo / TK; jlo <= jhi && kb <= jhi / TK; ++kb) {
-          const int64_t j0 = kb * TK, nk = std::min(TK, sh.Lk - j0), nkp = round_up(nk, W);
-          const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
-          cpu::gemm<V>(nq, nkp, D, qblk, Dp, p.kt + (bg * p.nkb + kb) * D * TK, TK, s.data(), TK,
-                       false);
-          for (int64_t r = 0; r < nq; ++r) {
-            A* sr = s.data() + r * TK;
-            const int64_t i = i0 + r;
-            if (p.mask.defined()) {
-              cpu::apply_mask_row(sr, nk, p.mask, p.mask.offset(b, h, i, j0), p.mask.stride[3]);
-            }
-            if (!full || nk < nkp) {
-              band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
-            }
-            exp_row<V>(sr, nkp, lse[r]);
-            if (drop) {
-              A* zr = z.data() + r * TK;
-              dropout_row<A>(zr, nk, dropout_row_base(i, sh.Lk) + static_cast<uint32_t>(j0), 1,
-                             stream, p.drop.threshold, static_cast<A>(p.drop.inv_keep));
-              std::fill(zr + nk, zr + nkp, A(0));
-              mul_row_to<V>(pz.data() + r * TK, sr, nkp, zr);
-            }
-          }
+        const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, TK);
+        for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
+          const KeyTile tile = key_tile(p.band, i0, nq, kb, TK, sh.Lk, W);
+          const int64_t j0 = tile.j0, nk = tile.nk;
+          probs_tile<V, true>(p, b, h, bg, kb, stream, i0, nq, tile, qblk, lse, s.data(), z.data(),
+                              pz.data());
           // dV += (P Z)^T dO
           gemm_acc<V, true>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvp, nq,
                             drop ? pz.data() : s.data(), TK, doblk, Dvp, dv_acc.data() + j0 * Dvp, Dvp);
-          // dP = dO V^T, dS = P (Z dP - delta)
-          cpu::gemm<V>(nq, nkp, Dv, doblk, Dvp, p.vt + (bg * p.nkb + kb) * Dv * TK, TK, dp.data(),
-                       TK, false);
-          for (int64_t r = 0; r < nq; ++r) {
-            ds_row<V>(dp.data() + r * TK, s.data() + r * TK, drop ? z.data() + r * TK : nullptr,
-                      nkp, delta[r]);
-            if (p.dmask != nullptr) {
-              float* dst = p.dmask + (bh * sh.Lq + i0 + r) * sh.Lk + j0;
-              const A* src = dp.data() + r * TK;
-              for (int64_t c = 0; c < nk; ++c) dst[c] = static_cast<float>(src[c]) + 0.0f;  // -0 -> 0
-            }
-          }
+          dscores_tile<V>(p, bh, bg, kb, i0, nq, tile, doblk, delta, s.data(), z.data(), dp.data());
           // dQ += dS K, dK += dS^T (scale Q)
           gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, nk, dp.data(), TK,
                       p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(), Dp);
           gemm_acc<V, true>(flagged(p.q_bad, bh * p.nqb + qb), nk, Dp, nq, dp.data(), TK, qblk, Dp,
                             dk_acc.data() + j0 * Dp, Dp);
         }
-        for (int64_t r = 0; r < nq; ++r) {
-          A* dst = p.dq + (bh * sh.Lq + i0 + r) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = dq_acc[r * Dp + d] * p.scale;
-        }
+        store_dq(p, bh, i0, nq, dq_acc.data());
       }
     }
     for (int64_t j = 0; j < sh.Lk; ++j) {
@@ -688,14 +659,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   check_qkv(q_in, k_in, v_in);
   const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), Lk = k_in.size(2);
   const int64_t Dv = v_in.size(3);
-  for (const auto& [t, name] : {std::pair{&dout_in, "dout"}, std::pair{&out_in, "out"}}) {
-    check_device(*t, q_in, name, "q");
-    check_shape(*t, {B, H, Lq, Dv}, name);
-    check_dtype(*t, q_in.scalar_type(), name);
-  }
-  check_device(lse, q_in, "lse", "q");
-  check_shape(lse, {B, H, Lq}, "lse");
-  check_dtype(lse, at::kFloat, "lse");
+  check_like(dout_in, q_in, {B, H, Lq, Dv}, q_in.scalar_type(), "dout", "q");
+  check_like(out_in, q_in, {B, H, Lq, Dv}, q_in.scalar_type(), "out", "q");
+  check_like(lse, q_in, {B, H, Lq}, at::kFloat, "lse", "q");
   const at::Tensor q = unit_last(q_in), k = unit_last(k_in), v = unit_last(v_in);
   const at::Tensor dout = unit_last(dout_in), out = unit_last(out_in);
   const cpu::MaskView mview = cpu::make_mask_view(mask, {B, H, Lq, Lk}, q, "q");

@@ -1,6 +1,7 @@
 // Helpers shared by the CPU attention kernels (csrc/cpu/attention.cpp: forward and backward;
-// csrc/cpu/attention_jvp.cpp: forward-mode AD): tile sizes, the band, dropout, task scheduling,
-// packing into the accumulation type, SIMD row helpers and argument checks. Internal to csrc/cpu
+// csrc/cpu/attention_jvp.cpp: forward-mode AD): tile sizes, the band and the tiles inside it,
+// dropout, task scheduling, packing into the accumulation type, SIMD row helpers (the mask / band
+// and the online-softmax step of a score row included) and argument checks. Internal to csrc/cpu
 // (not installed with csrc/include): everything lives in an unnamed namespace, so each kernel
 // file gets its own copy compiled for its workers' ISA targets.
 #pragma once
@@ -82,6 +83,23 @@ struct Shape {
   int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
 };
 
+// Task t of the workers over query blocks (forward, JVP, dQ): query block qb = qb_order[t / BH]
+// (rows [i0, i0 + nq), of bq) of head bh = t % BH = (b, h), kv head bg = (b, g), and the
+// dropout stream of (b, h) (0 without dropout).
+struct QueryTask {
+  int64_t qb, bh, b, h, bg, i0, nq;
+  uint32_t stream;
+};
+
+inline QueryTask query_task(int64_t t, const Shape& sh, const int64_t* qb_order, int64_t bq,
+                            const Dropout& drop) {
+  const int64_t BH = sh.B * sh.H;
+  const int64_t qb = qb_order[t / BH], bh = t % BH, b = bh / sh.H, h = bh % sh.H;
+  const int64_t i0 = qb * bq;
+  return {qb, bh, b, h, b * sh.Hkv + h / sh.G, i0, std::min(bq, sh.Lq - i0),
+          drop.on ? dropout_stream(drop.seed, b, h, sh.H) : 0};
+}
+
 // Tasks handed out by an atomic counter (dynamic scheduling; each task writes distinct outputs).
 template <class Worker>
 void run_workers(int64_t ntasks, const Worker& worker) {
@@ -91,28 +109,71 @@ void run_workers(int64_t ntasks, const Worker& worker) {
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { worker(next); });
 }
 
-// Block indices sorted by decreasing work (number of tiles of the other side inside the band),
-// ties in increasing order: the longest tasks start first.
-inline std::vector<int64_t> order_by_work(int64_t nblocks, const std::vector<int64_t>& work) {
-  std::vector<int64_t> order(nblocks);
+// The tiles of the other side that a block visits: tile indices [first, last] (none when
+// first > last).
+struct TileSpan {
+  int64_t first, last;
+  int64_t count() const { return last - first + 1; }
+};
+
+// Key tiles (of `tile` keys, lk in all) visited by query block [i0, i0 + n).
+inline TileSpan key_tile_span(const Band& band, int64_t i0, int64_t n, int64_t lk, int64_t tile) {
+  const int64_t jlo = std::max<int64_t>(0, i0 + band.lo);
+  const int64_t jhi = std::min<int64_t>(lk - 1, i0 + n - 1 + band.hi);
+  return jlo > jhi ? TileSpan{0, -1} : TileSpan{jlo / tile, jhi / tile};
+}
+
+// Query tiles (of `tile` rows, lq in all) visited by key block [j0, j0 + n).
+inline TileSpan query_tile_span(const Band& band, int64_t j0, int64_t n, int64_t lq, int64_t tile) {
+  const int64_t ilo = std::max<int64_t>(0, j0 - band.hi);
+  const int64_t ihi = std::min<int64_t>(lq - 1, j0 + n - 1 - band.lo);
+  return ilo > ihi ? TileSpan{0, -1} : TileSpan{ilo / tile, ihi / tile};
+}
+
+// Whether every pair of query rows [i0, i0 + nq) and keys [j0, j0 + nk) is inside the band (then
+// the tile needs no band test).
+inline bool inside_band(const Band& band, int64_t i0, int64_t nq, int64_t j0, int64_t nk) {
+  return j0 >= i0 + nq - 1 + band.lo && j0 + nk - 1 <= i0 + band.hi;
+}
+
+// Key tile kb (of bk keys, lk in all) seen from query rows [i0, i0 + nq): keys [j0, j0 + nk),
+// padded to nkp (a multiple of the vector width w); `full` when it is inside the band.
+struct KeyTile {
+  int64_t j0, nk, nkp;
+  bool full;
+};
+
+inline KeyTile key_tile(const Band& band, int64_t i0, int64_t nq, int64_t kb, int64_t bk,
+                        int64_t lk, int64_t w) {
+  const int64_t j0 = kb * bk, nk = std::min(bk, lk - j0);
+  return {j0, nk, round_up(nk, w), inside_band(band, i0, nq, j0, nk)};
+}
+
+// The blocks of a length `len` cut into blocks of `block`, sorted by decreasing work
+// `tiles(start, n)` (the tiles of the other side inside the band), ties in increasing order: the
+// longest tasks start first.
+template <class Tiles>
+std::vector<int64_t> order_by_work(int64_t len, int64_t block, const Tiles& tiles) {
+  const int64_t nblocks = ceil_div(len, block);
+  std::vector<int64_t> work(nblocks), order(nblocks);
+  for (int64_t x = 0; x < nblocks; ++x) work[x] = tiles(x * block, std::min(block, len - x * block));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return work[x] > work[y]; });
   return order;
 }
 
-// Number of key tiles (of `tile` keys) visited by query block [i0, i0 + n).
-inline int64_t key_tiles(const Band& band, int64_t i0, int64_t n, int64_t lk, int64_t tile) {
-  const int64_t jlo = std::max<int64_t>(0, i0 + band.lo);
-  const int64_t jhi = std::min<int64_t>(lk - 1, i0 + n - 1 + band.hi);
-  return jlo > jhi ? 0 : jhi / tile - jlo / tile + 1;
+// Query blocks (of bq rows) by the key tiles (of bk keys) they visit; key blocks likewise.
+inline std::vector<int64_t> query_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
+  return order_by_work(lq, bq, [&](int64_t i0, int64_t n) {
+    return key_tile_span(band, i0, n, lk, bk).count();
+  });
 }
 
-// Number of query tiles visited by key block [j0, j0 + n).
-inline int64_t query_tiles(const Band& band, int64_t j0, int64_t n, int64_t lq, int64_t tile) {
-  const int64_t ilo = std::max<int64_t>(0, j0 - band.hi);
-  const int64_t ihi = std::min<int64_t>(lq - 1, j0 + n - 1 - band.lo);
-  return ilo > ihi ? 0 : ihi / tile - ilo / tile + 1;
+inline std::vector<int64_t> key_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
+  return order_by_work(lk, bk, [&](int64_t j0, int64_t n) {
+    return query_tile_span(band, j0, n, lq, bq).count();
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -343,6 +404,43 @@ FASTATTN_INLINE void band_row(A* s, int64_t n, int64_t npad, int64_t c_lo, int64
   std::fill(s + c_hi, s + npad, neg_inf);
 }
 
+// Row sr of a score tile, query i of (b, h) against key tile t: the mask added, then -inf outside
+// the band (tiles inside it skip that test) and on the padding [t.nk, t.nkp).
+template <class A>
+FASTATTN_INLINE void mask_band_row(A* sr, const cpu::MaskView& mask, const Band& band, int64_t b,
+                                   int64_t h, int64_t i, const KeyTile& t) {
+  if (mask.defined()) {
+    cpu::apply_mask_row(sr, t.nk, mask, mask.offset(b, h, i, t.j0), mask.stride[3]);
+  }
+  if (!t.full || t.nk < t.nkp) {
+    band_row(sr, t.nk, t.nkp, t.full ? 0 : i + band.lo - t.j0,
+             t.full ? t.nk : i + band.hi - t.j0 + 1);
+  }
+}
+
+// One online-softmax step (the forward's and the JVP's) on row s of a score tile: nk scores,
+// padded with -inf to n (a multiple of V::size), and the row's running max m and sum l. Sets
+// s = exp(s - m_new) (P unnormalized, -0.0 where masked), l = l * alpha + rowsum(s), m = m_new,
+// and alpha = exp(m_old - m_new), the factor the row's accumulators take. A NaN score makes the
+// row NaN (std::max(m, NaN) would drop it). Returns false, changing nothing, while the row has
+// seen no visible key (every score -inf, no NaN hiding from max_row): its P is -0.0 (masked) there.
+template <class V>
+FASTATTN_INLINE bool online_softmax_row(typename V::value_type* s, int64_t nk, int64_t n,
+                                        typename V::value_type& m, typename V::value_type& l,
+                                        typename V::value_type& alpha) {
+  using A = typename V::value_type;
+  const A mx = max_row<V>(s, n);
+  A m_new = mx != mx ? mx : std::max(m, mx);
+  if (m_new == -std::numeric_limits<A>::infinity()) {
+    if (std::none_of(s, s + nk, [](A x) { return x != x; })) return false;
+    m_new = std::numeric_limits<A>::quiet_NaN();
+  }
+  alpha = cpu::sexp(m - m_new);
+  const A sum = exp_sum_row<V>(s, n, m_new);
+  l = l * alpha + sum;
+  m = m_new;
+  return true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Argument checks.
@@ -384,24 +482,6 @@ inline at::Tensor unit_last(const at::Tensor& t) {
 }
 
 inline Strided4 strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
-
-inline std::vector<int64_t> query_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
-  const int64_t nqb = ceil_div(lq, bq);
-  std::vector<int64_t> work(nqb);
-  for (int64_t qb = 0; qb < nqb; ++qb) {
-    work[qb] = key_tiles(band, qb * bq, std::min(bq, lq - qb * bq), lk, bk);
-  }
-  return order_by_work(nqb, work);
-}
-
-inline std::vector<int64_t> key_order(const Band& band, int64_t lq, int64_t lk, int64_t bq, int64_t bk) {
-  const int64_t nkb = ceil_div(lk, bk);
-  std::vector<int64_t> work(nkb);
-  for (int64_t kb = 0; kb < nkb; ++kb) {
-    work[kb] = query_tiles(band, kb * bk, std::min(bk, lk - kb * bk), lq, bq);
-  }
-  return order_by_work(nkb, work);
-}
 
 // `t` itself when T is A (outputs written in place), else a contiguous A tensor of its shape to be
 // copied into it afterwards.

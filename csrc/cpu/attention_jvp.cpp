@@ -73,12 +73,9 @@ FASTATTN_INLINE void jvp_worker(const JvpArgs<typename V::value_type>& p, std::a
   std::vector<A> sbuf((BQ + R) * BK), tsbuf((BQ + R) * BK);
   std::vector<A> acc_o((BQ + R) * std::max(Dvp, W)), acc_t((BQ + R) * std::max(Dvp, W));
   std::vector<A> m(BQ), l(BQ), ls(BQ), z(p.drop.on ? BK : 0);
-  const int64_t BH = sh.B * sh.H, ntasks = BH * p.nqb;
+  const int64_t ntasks = sh.B * sh.H * p.nqb;
   for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
-    const int64_t qb = p.qb_order[t / BH], bh = t % BH, b = bh / sh.H, h = bh % sh.H;
-    const int64_t bg = b * sh.Hkv + h / sh.G;
-    const int64_t i0 = qb * BQ, nq = std::min(BQ, sh.Lq - i0);
-    const uint32_t stream = p.drop.on ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
+    const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, BQ, p.drop);
     const A* qblk = p.qp + (bh * sh.Lq + i0) * Dp;
     std::fill(m.begin(), m.end(), neg_inf);
     std::fill(l.begin(), l.end(), A(0));
@@ -86,11 +83,10 @@ FASTATTN_INLINE void jvp_worker(const JvpArgs<typename V::value_type>& p, std::a
     std::fill(acc_o.begin(), acc_o.end(), A(0));
     std::fill(acc_t.begin(), acc_t.end(), A(0));
 
-    const int64_t jlo = std::max<int64_t>(0, i0 + p.band.lo);
-    const int64_t jhi = std::min<int64_t>(sh.Lk - 1, i0 + nq - 1 + p.band.hi);
-    for (int64_t kb = jlo / BK; jlo <= jhi && kb <= jhi / BK; ++kb) {
-      const int64_t j0 = kb * BK, nk = std::min(BK, sh.Lk - j0), nkp = round_up(nk, W);
-      const bool full = j0 >= i0 + nq - 1 + p.band.lo && j0 + nk - 1 <= i0 + p.band.hi;
+    const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, BK);
+    for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
+      const KeyTile tile = key_tile(p.band, i0, nq, kb, BK, sh.Lk, W);
+      const auto [j0, nk, nkp, full] = tile;
       const A* ktile = p.kt + (bg * p.nkb + kb) * D * BK;
       A* s = sbuf.data();
       A* ts = tsbuf.data();
@@ -108,30 +104,16 @@ FASTATTN_INLINE void jvp_worker(const JvpArgs<typename V::value_type>& p, std::a
         A* sr = s + r * BK;
         A* tr = ts + r * BK;
         const int64_t i = i0 + r;
-        if (p.mask.defined()) {
-          cpu::apply_mask_row(sr, nk, p.mask, p.mask.offset(b, h, i, j0), p.mask.stride[3]);
-        }
         if (p.tmask.defined()) {
           cpu::apply_mask_row(tr, nk, p.tmask, p.tmask.offset(b, h, i, j0), p.tmask.stride[3]);
         }
-        if (!full || nk < nkp) {
-          band_row(sr, nk, nkp, full ? 0 : i + p.band.lo - j0, full ? nk : i + p.band.hi - j0 + 1);
+        mask_band_row(sr, p.mask, p.band, b, h, i, tile);
+        A alpha;  // sr = P (unnormalized), -0.0 masked
+        if (!online_softmax_row<V>(sr, nk, nkp, m[r], l[r], alpha)) {
+          std::fill(sr, sr + nkp, -A(0));  // nothing visible yet: P = -0.0
+          std::fill(tr, tr + nkp, -A(0));
+          continue;
         }
-        const A mx = max_row<V>(sr, nkp);
-        A m_new = mx != mx ? mx : std::max(m[r], mx);  // NaN stays (std::max(m, NaN) is m)
-        if (m_new == neg_inf) {
-          // Nothing visible in this row yet (unless a NaN score hid from max_row): P = -0.0.
-          if (std::none_of(sr, sr + nk, [](A x) { return x != x; })) {
-            std::fill(sr, sr + nkp, -A(0));
-            std::fill(tr, tr + nkp, -A(0));
-            continue;
-          }
-          m_new = std::numeric_limits<A>::quiet_NaN();
-        }
-        const A alpha = cpu::sexp(m[r] - m_new);
-        const A sum = exp_sum_row<V>(sr, nkp, m_new);  // sr = P (unnormalized), -0.0 masked
-        l[r] = l[r] * alpha + sum;
-        m[r] = m_new;
         if (alpha != A(1)) {
           scale_row<V>(acc_o.data() + r * Dvp, Dvp, alpha);
           scale_row<V>(acc_t.data() + r * Dvp, Dvp, alpha);
@@ -197,9 +179,7 @@ void jvp_dispatch(const JvpArgs<A>& p, std::atomic<int64_t>& next) {
 bool check_tangent(const std::optional<at::Tensor>& t, const at::Tensor& like, const char* name,
                    const char* like_name) {
   if (!t.has_value() || !t->defined()) return false;
-  check_device(*t, like, name, like_name);
-  check_shape(*t, like.sizes(), name);
-  check_dtype(*t, like.scalar_type(), name);
+  check_like(*t, like, like.sizes(), like.scalar_type(), name, like_name);
   return true;
 }
 

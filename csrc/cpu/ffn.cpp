@@ -11,9 +11,10 @@
 // fused elementwise passes: forward writes `a` from `pre` in one pass (pre, with the bias added by
 // addmm, is what is returned and saved); backward reads `pre` and `da` once and writes `dpre`
 // and the recomputed `a` (the operand of dw2), and sums dpre's columns (db1) on the way into
-// per-block partial rows. Column sums are deterministic: the rows are cut into at most kMaxBlocks
-// blocks fixed by M alone, each block sums its rows in order, and the partial rows are added in
-// block order; db2 is a column-parallel sum of dout in row order.
+// per-block partial rows. Column sums are deterministic: the rows are cut into at most
+// cpu::kMaxRowBlocks blocks fixed by M alone, each block sums its rows in order, and the partial
+// rows are added in block order (fastattn/cpu_reduce.h); db2 is a column-parallel sum of dout in
+// row order.
 //
 // The elementwise passes are parallel over rows and vectorized with cpu_simd.h (AVX-512 / AVX2 /
 // baseline chosen at run time): exp is vectorized; erf (gelu) uses a rational approximation
@@ -33,6 +34,7 @@
 
 #include "fastattn/activation.h"
 #include "fastattn/common.h"
+#include "fastattn/cpu_reduce.h"
 #include "fastattn/cpu_simd.h"
 
 namespace fastattn {
@@ -40,8 +42,6 @@ namespace {
 
 using cpu::acc_t;
 using cpu::Vec;
-
-constexpr int64_t kMaxBlocks = 64;
 
 constexpr double kSqrt1_2 = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;
@@ -298,23 +298,6 @@ at::Tensor column_sum(const T* t, int64_t M, int64_t N, int64_t ld, const at::Te
   return out;
 }
 
-// The partial rows (blocks, N) summed in block order.
-template <class A>
-at::Tensor sum_partials(const at::Tensor& part) {
-  const int64_t blocks = part.size(0), n = part.size(1);
-  at::Tensor out = at::empty({n}, part.options());
-  const A* p = part.const_data_ptr<A>();
-  A* o = out.data_ptr<A>();
-  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(blocks, 1)),
-                   [&](int64_t c0, int64_t c1) {
-    std::copy(p + c0, p + c1, o + c0);
-    for (int64_t k = 1; k < blocks; ++k) {
-      for (int64_t c = c0; c < c1; ++c) o[c] += p[k * n + c];
-    }
-  });
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Checks.
 
@@ -401,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "ffn_bwd_cpu", [&] {
     using A = acc_t<scalar_t>;
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<A>::value);
-    const int64_t blocks = std::min(d.M, kMaxBlocks);
+    const int64_t blocks = cpu::row_blocks(d.M);
     at::Tensor part;
     if (output_mask[0] && blocks > 0) part = at::zeros({blocks, d.F1}, acc_opts);
     if (d.M > 0 && d.F > 0) {
@@ -410,13 +393,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
       scalar_t* dpp = dpre.data_ptr<scalar_t>();
       scalar_t* ap = a.data_ptr<scalar_t>();
       if (part.defined()) {
-        // Block k owns rows [k * M / blocks, (k + 1) * M / blocks) and partial row k.
         A* cs = part.data_ptr<A>();
-        at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-          for (int64_t k = k0; k < k1; ++k) {
-            act_bwd<scalar_t>(act, d, pp, dap, dpp, ap, cs + k * d.F1, k * d.M / blocks,
-                              (k + 1) * d.M / blocks);
-          }
+        cpu::for_row_blocks(d.M, blocks, [&](int64_t k, int64_t r0, int64_t r1) {
+          act_bwd<scalar_t>(act, d, pp, dap, dpp, ap, cs + k * d.F1, r0, r1);
         });
       } else {
         at::parallel_for(0, d.M, grain_rows(d.F1), [&](int64_t r0, int64_t r1) {
@@ -425,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
       }
     }
     if (output_mask[0]) {
-      db1 = part.defined() ? sum_partials<A>(part).to(w1.scalar_type())
+      db1 = part.defined() ? cpu::sum_partials<A>(part).to(w1.scalar_type())
                            : at::zeros({d.F1}, w1.options());
     }
     if (output_mask[1]) {

@@ -16,9 +16,10 @@
 // why not at::vec::Vectorized). The statistics take two passes over the row (the mean, then the
 // squared deviations from it), both relative to the row's first value, so rows with a large
 // offset (1e4 + noise) keep their precision.
-// dweight / dbias: the rows are cut into at most kMaxBlocks fixed blocks, each block sums its rows
-// into its own partial row (in the accumulation type), and the partial rows are added in block
-// order: deterministic, no atomics, and independent of the number of threads.
+// dweight / dbias: the rows are cut into at most cpu::kMaxRowBlocks fixed blocks, each block sums
+// its rows into its own partial row (in the accumulation type), and the partial rows are added in
+// block order: deterministic, no atomics, and independent of the number of threads
+// (fastattn/cpu_reduce.h).
 //
 // Precision: float32 / float16 / bfloat16 compute in float32, float64 in float64 (so gradcheck
 // runs); mean and rstd are returned as float32 whatever the dtype (docs/numerics.md). An empty row
@@ -32,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fastattn/cpu_reduce.h"
 #include "fastattn/cpu_simd.h"
 #include "fastattn/layer_norm.h"
 
@@ -40,7 +42,6 @@ namespace {
 
 using cpu::acc_t;
 
-constexpr int64_t kMaxBlocks = 64;  // dweight / dbias: fixed row blocks, one partial row each
 constexpr int64_t kLanes = 16;      // independent partial sums per row reduction
 
 // ---------------------------------------------------------------------------------------------
@@ -325,35 +326,13 @@ void layer_norm_bwd_impl(const at::Tensor& dy, const std::optional<at::Tensor>& 
                      [&](int64_t r0, int64_t r1) { bwd_rows(a, r0, r1, nullptr, nullptr); });
     return;
   }
-  // Block k owns rows [k * m / blocks, (k + 1) * m / blocks) and partial row k.
-  const int64_t blocks = part_w.size(0);
   A* pw = part_w.data_ptr<A>();
   A* pb = part_b.data_ptr<A>();
-  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      std::fill(pw + k * n, pw + (k + 1) * n, A(0));
-      std::fill(pb + k * n, pb + (k + 1) * n, A(0));
-      bwd_rows(a, k * m / blocks, (k + 1) * m / blocks, pw + k * n, pb + k * n);
-    }
+  cpu::for_row_blocks(m, part_w.size(0), [&](int64_t k, int64_t r0, int64_t r1) {
+    std::fill(pw + k * n, pw + (k + 1) * n, A(0));
+    std::fill(pb + k * n, pb + (k + 1) * n, A(0));
+    bwd_rows(a, r0, r1, pw + k * n, pb + k * n);
   });
-}
-
-// The second, deterministic reduction: column j adds partial rows 0, 1, ..., blocks - 1 in order.
-template <typename A>
-at::Tensor sum_partials(const at::Tensor& part) {
-  const int64_t blocks = part.size(0), n = part.size(1);
-  at::Tensor out = at::empty({n}, part.options());
-  const A* p = part.const_data_ptr<A>();
-  A* o = out.data_ptr<A>();
-  at::parallel_for(0, n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / blocks),
-                   [&](int64_t c0, int64_t c1) {
-                     std::copy(p + c0, p + c1, o + c0);
-                     for (int64_t k = 1; k < blocks; ++k) {
-                       const A* pk = p + k * n;
-                       for (int64_t j = c0; j < c1; ++j) o[j] += pk[j];
-                     }
-                   });
-  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cpu(
@@ -361,27 +340,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cpu(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
     bool rms) {
   check_layer_norm_fwd(x, residual, weight, bias, /*allow_double=*/true);
-  const int64_t m = x.size(0), n = x.size(1);
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor y = at::empty({m, n}, x.options());
-  at::Tensor h = residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
-  at::Tensor mean = rms ? at::empty({0}, f32) : at::empty({m}, f32);
-  at::Tensor rstd = at::empty({m}, f32);
-  if (m == 0) return {y, h, mean, rstd};
-  if (n == 0) {
-    mean.zero_();
-    rstd.fill_(1.0 / std::sqrt(eps));
-    return {y, h, mean, rstd};
-  }
+  LayerNormFwdOutputs out = layer_norm_fwd_outputs(x, residual.has_value(), eps, rms);
+  if (out.empty) return out.tuple();
+  const int64_t n = x.size(1);
   // weight / bias as the accumulation dtype (ones / zeros when absent): N values, read by all rows.
   const auto acc_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto acc_opts = x.options().dtype(acc_dtype);
   const at::Tensor w_acc = weight ? weight->to(acc_dtype) : at::ones({n}, acc_opts);
   const at::Tensor b_acc = bias ? bias->to(acc_dtype) : at::zeros({n}, acc_opts);
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "layer_norm_fwd_cpu", [&] {
-    layer_norm_fwd_impl<scalar_t>(x, residual, w_acc, b_acc, eps, rms, y, h, mean, rstd);
+    layer_norm_fwd_impl<scalar_t>(x, residual, w_acc, b_acc, eps, rms, out.y, out.h, out.mean,
+                                  out.rstd);
   });
-  return {y, h, mean, rstd};
+  return out.tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
@@ -396,7 +367,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
   const auto acc_opts = h.options().dtype(acc_dtype);
   at::Tensor dx = at::empty({m, n}, h.options());
   at::Tensor part_w, part_b;
-  const int64_t blocks = std::min(m, kMaxBlocks);
+  const int64_t blocks = cpu::row_blocks(m);
   if ((want_dw || want_db) && m > 0 && n > 0) {
     part_w = at::empty({blocks, n}, acc_opts);
     part_b = at::empty({blocks, n}, acc_opts);
@@ -411,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
     if (!want) return at::empty({0}, h.options());
     if (!part.defined()) return at::zeros({n}, weight->options());
     const at::Tensor sum =
-        acc_dtype == at::kDouble ? sum_partials<double>(part) : sum_partials<float>(part);
+        acc_dtype == at::kDouble ? cpu::sum_partials<double>(part) : cpu::sum_partials<float>(part);
     return sum.to(weight->scalar_type());
   };
   return {dx, finish(want_dw, part_w), finish(want_db, part_b)};

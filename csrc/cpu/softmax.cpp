@@ -28,6 +28,7 @@
 #include "fastattn/common.h"
 #include "fastattn/cpu_mask.h"
 #include "fastattn/cpu_simd.h"
+#include "fastattn/softmax.h"
 
 namespace fastattn {
 namespace {
@@ -201,21 +202,13 @@ struct BwdKernel {
 
 int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
-void check_x4(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (L0, L1, Lq, Lk), got shape ", t.sizes());
-  check_float_dtype(t, name, /*allow_double=*/true);
-  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1 || t.numel() == 0, name,
-              " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
-              t.strides());
-}
-
 Rows4 rows_of(const at::Tensor& t) {
   return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
 }
 
 at::Tensor softmax_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale,
                            bool is_causal) {
-  check_x4(x, "x");
+  check_softmax_input(x, "x", /*allow_double=*/true);
   const cpu::MaskView mview = cpu::make_mask_view(mask, x.sizes(), x, "x");
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = x.size(0) * x.size(1) * x.size(2), n = x.size(3);
@@ -232,11 +225,7 @@ at::Tensor softmax_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>&
 }
 
 at::Tensor softmax_bwd_cpu(const at::Tensor& dy, const at::Tensor& y, double scale) {
-  check_x4(y, "y");
-  check_x4(dy, "dy");
-  check_device(dy, y, "dy", "y");
-  check_shape(dy, y.sizes(), "dy");
-  check_dtype(dy, y.scalar_type(), "dy");
+  check_softmax_bwd(dy, y, /*allow_double=*/true);
   at::Tensor dx = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = y.size(0) * y.size(1) * y.size(2), n = y.size(3);
   if (rows == 0 || n == 0) return dx;

@@ -55,9 +55,6 @@ namespace {
 
 constexpr int64_t kMinSplit = 256;  // paged forward: fewest keys per split
 
-template <class T>
-using acc_of = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
 // The band of row i clipped to the keys [0, lk): [lo, hi], empty when lo > hi.
 struct RowBand {
   int64_t lo, hi;
@@ -261,7 +258,7 @@ constexpr int64_t kPagedTile = 64;  // keys gathered (and converted) per step
 
 template <class T>
 struct PagedArgs {
-  using A = acc_of<T>;
+  using A = cpu::acc_t<T>;
   const T *Q, *K, *V;
   int64_t sq_b, sq_h, sq_m, sk_blk, sk_slot, sk_h, sv_blk, sv_slot, sv_h;
   int64_t B, H, Hkv, group, Lq, D, Dv, block_size, max_blocks, splits, chunk, rows;
@@ -354,7 +351,7 @@ template <class T>
 struct PagedKernel {
   template <int kBytes>
   FASTATTN_INLINE static void run(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
-    paged_worker<cpu::Vec<acc_of<T>, kBytes / sizeof(acc_of<T>)>, T>(p, next);
+    paged_worker<cpu::Vec<cpu::acc_t<T>, kBytes / sizeof(cpu::acc_t<T>)>, T>(p, next);
   }
 };
 
@@ -363,7 +360,7 @@ void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
                     const std::vector<int64_t>& table, int64_t max_blocks,
                     const std::vector<int64_t>& lens, at::Tensor& out, at::Tensor& lse,
                     double scale, bool bottom_right, int64_t left, int64_t right) {
-  using A = acc_of<T>;
+  using A = cpu::acc_t<T>;
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t bs = kc.size(1), Hkv = kc.size(2), Dv = vc.size(3), group = H / Hkv;
   const int64_t max_len = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());

@@ -566,27 +566,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
   TORCH_CHECK(x.size(1) < std::numeric_limits<int>::max(), "x: rows of ", x.size(1),
               " elements are too long (at most 2^31 - 2)");
   const c10::cuda::CUDAGuard device_guard(x.device());
-  const int64_t m = x.size(0), n = x.size(1);
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor y = at::empty({m, n}, x.options());
-  at::Tensor h = residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
-  at::Tensor mean = rms ? at::empty({0}, f32) : at::empty({m}, f32);
-  at::Tensor rstd = at::empty({m}, f32);
-  if (m == 0) return {y, h, mean, rstd};
-  if (n == 0) {
-    mean.zero_();
-    rstd.fill_(1.0 / std::sqrt(eps));
-    return {y, h, mean, rstd};
-  }
+  LayerNormFwdOutputs out = layer_norm_fwd_outputs(x, residual.has_value(), eps, rms);
+  if (out.empty) return out.tuple();
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "layer_norm_fwd_cuda", [&] {
     if (float_params(weight, bias)) {
-      layer_norm_fwd_typed<scalar_t, float>(x, residual, weight, bias, eps, rms, y, h, mean, rstd);
+      layer_norm_fwd_typed<scalar_t, float>(x, residual, weight, bias, eps, rms, out.y, out.h,
+                                            out.mean, out.rstd);
     } else {
-      layer_norm_fwd_typed<scalar_t, scalar_t>(x, residual, weight, bias, eps, rms, y, h, mean,
-                                               rstd);
+      layer_norm_fwd_typed<scalar_t, scalar_t>(x, residual, weight, bias, eps, rms, out.y, out.h,
+                                               out.mean, out.rstd);
     }
   });
-  return {y, h, mean, rstd};
+  return out.tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(

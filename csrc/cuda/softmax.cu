@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "fastattn/common.h"
+#include "fastattn/softmax.h"
 
 namespace fastattn {
 namespace cuda {
@@ -408,18 +409,10 @@ void launch_bwd(const BwdParams& p, bool vec_ok, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void check_rows4(const at::Tensor& t, const char* name) {
-  check_cuda_tensor(t, name);
-  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (L0, L1, Lq, Lk), got shape ", t.sizes());
-  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, name,
-              " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
-              t.strides());
-  check_float_dtype(t, name, /*allow_double=*/false);
-}
-
 at::Tensor softmax_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& mask,
                             double scale, bool is_causal) {
-  check_rows4(x, "x");
+  check_cuda_tensor(x, "x");
+  check_softmax_input(x, "x", /*allow_double=*/false);
   const MaskKind mask_kind = mask_kind_of(mask);
   if (mask.has_value()) {
     check_device(*mask, x, "mask", "x");
@@ -462,11 +455,9 @@ at::Tensor softmax_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>
 }
 
 at::Tensor softmax_bwd_cuda(const at::Tensor& dy, const at::Tensor& y, double scale) {
-  check_rows4(y, "y");
-  check_rows4(dy, "dy");
-  check_device(dy, y, "dy", "y");
-  check_shape(dy, y.sizes(), "dy");
-  check_dtype(dy, y.scalar_type(), "dy");
+  check_cuda_tensor(y, "y");
+  check_cuda_tensor(dy, "dy");
+  check_softmax_bwd(dy, y, /*allow_double=*/false);
   const c10::cuda::CUDAGuard guard(y.device());
   at::Tensor dx = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
   if (dx.numel() == 0) return dx;

@@ -10,13 +10,18 @@
 
 namespace fastattn {
 
-// A matrix of rows: 2-D with a contiguous last dimension and any row stride (an empty one, as
-// autograd may hand over, can have any strides).
-inline void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2, name, " must be 2-D (rows, N), got shape ", t.sizes());
-  TORCH_CHECK(t.size(1) <= 1 || t.size(0) == 0 || t.stride(1) == 1, name,
+// A contiguous last dimension, any other strides (an empty tensor, as autograd may hand over, can
+// have any strides).
+inline void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1 || t.numel() == 0, name,
               " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
               t.strides());
+}
+
+// A matrix of rows: 2-D with a contiguous last dimension and any row stride.
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D (rows, N), got shape ", t.sizes());
+  check_last_dim_contiguous(t, name);
 }
 
 inline void check_shape(const at::Tensor& t, at::IntArrayRef shape, const char* name) {
@@ -37,6 +42,14 @@ inline void check_device(const at::Tensor& t, const at::Tensor& ref, const char*
 inline void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
               t.scalar_type(), " (shape ", t.sizes(), ")");
+}
+
+// t on ref's device with this shape and dtype (a gradient, a saved output, a tangent).
+inline void check_like(const at::Tensor& t, const at::Tensor& ref, at::IntArrayRef shape,
+                       at::ScalarType dtype, const char* name, const char* ref_name) {
+  check_device(t, ref, name, ref_name);
+  check_shape(t, shape, name);
+  check_dtype(t, dtype, name);
 }
 
 // float32, float16 or bfloat16; float64 too when allow_double (the CPU backend, for gradcheck).

@@ -1,11 +1,17 @@
-// Argument checks of layer_norm_fwd / layer_norm_bwd, shared by csrc/cpu/layer_norm.cpp and
-// csrc/cuda/layer_norm.cu so both backends accept exactly the same inputs. Host code only.
+// Argument checks and forward outputs of layer_norm_fwd / layer_norm_bwd, shared by
+// csrc/cpu/layer_norm.cpp and csrc/cuda/layer_norm.cu so both backends accept exactly the same
+// inputs and agree on empty ones. Host code only.
 //
 // Accepted: x / h / residual / dy / dh are (M, N) row matrices (contiguous last dim, any row
 // stride) of one dtype: float32, float16, bfloat16 (and float64 on CPU). weight and bias are
 // contiguous (N,), with x's dtype or float32, the same dtype for both; dweight / dbias come back
 // in that dtype. mean (unused by RMSNorm) and rstd are contiguous float32 (M,).
 #pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <tuple>
 
 #include "fastattn/common.h"
 
@@ -65,6 +71,33 @@ inline void check_layer_norm_bwd(const at::Tensor& dy, const std::optional<at::T
     check_dtype(*p, at::kFloat, name);
   }
   check_layer_norm_params(h, weight, std::nullopt, "h");
+}
+
+// layer_norm_fwd's outputs for x (M, N): y and h (x + residual, empty without one) in x's dtype,
+// mean (empty for RMSNorm) and rstd float32, allocated. When there is nothing to compute (M = 0
+// or N = 0) they are final already -- an empty row has mean 0 and rstd 1 / sqrt(eps) -- and
+// `empty` is set.
+struct LayerNormFwdOutputs {
+  at::Tensor y, h, mean, rstd;
+  bool empty;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
+    return {y, h, mean, rstd};
+  }
+};
+
+inline LayerNormFwdOutputs layer_norm_fwd_outputs(const at::Tensor& x, bool residual, double eps,
+                                                  bool rms) {
+  const int64_t m = x.size(0), n = x.size(1);
+  const auto f32 = x.options().dtype(at::kFloat);
+  LayerNormFwdOutputs o{at::empty({m, n}, x.options()),
+                        residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options()),
+                        rms ? at::empty({0}, f32) : at::empty({m}, f32), at::empty({m}, f32),
+                        m == 0 || n == 0};
+  if (m > 0 && n == 0) {
+    o.mean.zero_();
+    o.rstd.fill_(1.0 / std::sqrt(eps));
+  }
+  return o;
 }
 
 }  // namespace fastattn
