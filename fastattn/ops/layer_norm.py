@@ -77,7 +77,7 @@ def _triton_fwd(
     eps: float,
     rms: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_rows(x, residual, weight, bias, eps, rms)
+    _check_op(x, residual, weight, bias, eps, rms)
     return _kernels.layer_norm_fwd(x, residual, weight, bias, eps, rms)
 
 
@@ -146,7 +146,7 @@ define_op("layer_norm", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, setup_context=_s
 
 def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") -> tuple[int, ...]:
     """The argument checks, written once: run by the public functions and by the registered Triton
-    ops (through :func:`_check_rows`). Returns normalized_shape as a tuple."""
+    ops (through :func:`_check_op`). Returns normalized_shape as a tuple."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
     if x.dtype not in _DTYPES:
@@ -180,7 +180,7 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
     return shape
 
 
-def _check_rows(x, residual, weight, bias, eps, rms, name="x") -> None:
+def _check_op(x, residual, weight, bias, eps, rms, name="x") -> None:
     """The registered Triton ops' check (callable directly through ``torch.ops``; they take the
     rows as a (M, N) matrix): :func:`_check` with normalized_shape (N,). The kernels' launchers
     check only their own limits."""
@@ -192,7 +192,7 @@ def _check_rows(x, residual, weight, bias, eps, rms, name="x") -> None:
 def _check_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask) -> None:
     """The registered Triton backward's check: h (M, N) and weight as in the forward, dy and dh
     (M, N) on h's device, the float32 statistics (M,) (mean only for LayerNorm)."""
-    _check_rows(h, None, weight, None, 0.0, rms, name="h")
+    _check_op(h, None, weight, None, 0.0, rms, name="h")
     M, N = h.shape
     like = {"dy": (dy, (M, N), None), "rstd": (rstd, (M,), torch.float32)}
     if dh is not None:
