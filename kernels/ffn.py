@@ -41,8 +41,10 @@ the epilogue flags and the operand dtypes; configs
 whose activation epilogue would spill registers are pruned first); under ``TRITON_INTERPRET=1`` a
 single small fixed config (decided once at import).
 
-Limits: x, w1, w2, biases and dout share one dtype (float32, float16, bfloat16); any M, D, F, D2
-(masked edges); 2-D operands with any strides. Precision: float32 accumulation and epilogue math;
+Limits: x, w1, w2, biases and dout share one dtype (float32, float16, bfloat16; the arguments
+are checked by fastattn.ops, the launchers check the dtype and the int32 index arithmetic: row and
+column indices, K offsets ``BLOCK_K * stride``); any M, D, F, D2 (masked edges) below about 2**31;
+2-D operands with any strides. Precision: float32 accumulation and epilogue math;
 outputs rounded once to the input dtype. float32 matmuls use ``input_precision="ieee"`` (exact
 float32 products, no TF32); float16 / bfloat16 use the tensor cores' native products. Under the
 interpreter every product is taken in float32 (its bfloat16 ``tl.dot`` is wrong), which gives the
@@ -94,6 +96,8 @@ else:
             (32, 64, 32, 5, 2),
         )
     ]
+#: The largest block size of any config (the launchers' int32 bounds).
+_MAX_BLOCK = max(c.kwargs[k] for c in _CONFIGS for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
 #: Row-group size of the db1 partial sums: divides every config's BLOCK_M.
 PARTIAL_ROWS = min(c.kwargs["BLOCK_M"] for c in _CONFIGS)
 assert all(c.kwargs["BLOCK_M"] % PARTIAL_ROWS == 0 for c in _CONFIGS)
@@ -270,9 +274,10 @@ def _matmul_kernel(
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=tile_mask)
 
 
-def _matmul(a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
+def _matmul(name, a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
             activation=_IDENTITY.value, gated=False, act_grad=False):
-    """Launch ``c = a @ b`` (+ epilogue) for views ``a`` (M, K) and ``b`` (K, N or 2N).
+    """Launch ``c = a @ b`` (+ epilogue) for views ``a`` (M, K) and ``b`` (K, N or 2N); ``name``
+    (e.g. ``"x @ w1^T"``) names the product in errors.
 
     ``n`` is the epilogue's logical width N (half of ``b``'s columns for a gated forward).
     ``c``, ``act`` and ``partial`` are freshly allocated, contiguous.
@@ -280,6 +285,7 @@ def _matmul(a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
     M, K = a.shape
     if M == 0 or n == 0:
         return
+    _check_int32(name, a, b, n, pre)
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -301,61 +307,38 @@ def _matmul(a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
     )
 
 
-def _check_matrix(name, t, dtype, device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    if dtype is None and t.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} must have x's dtype {dtype}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, x on {device}")
+def _check_dtype(x):
+    """The dtypes these kernels are built for (x's; the arguments themselves - ranks, shapes, one
+    dtype and device for all, the activation - are checked once, in fastattn.ops)."""
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"the triton ffn kernels take float32, float16 or bfloat16, got x {x.dtype}")
 
 
-def _check_ffn(x, w1, w2, pre, dout, activation):
-    """Validate shapes / dtypes; returns (M, D, F, D2, width of pre, activation id, gated)."""
+def _dims(x, w1, w2, activation):
+    """``(M, D, F, D2, width of pre, activation id, gated)`` of checked arguments."""
     spec = act.lookup(activation)
-    act_id, gated = spec.code, spec.gated
-    _check_matrix("x", x, None, None)
-    _check_matrix("w1", w1, x.dtype, x.device)
-    _check_matrix("w2", w2, x.dtype, x.device)
-    for name, t in (("pre", pre), ("dout", dout)):
-        if t is not None:
-            _check_matrix(name, t, x.dtype, x.device)
     M, D = x.shape
     width = w1.shape[0]
-    if w1.shape[1] != D:
-        raise ValueError(
-            f"w1 {tuple(w1.shape)} must be (F, D) or (2F, D) with D = x.shape[1] = {D}")
-    if gated and width % 2:
-        raise ValueError(
-            f"{activation} needs w1 of shape (2F, D), got {tuple(w1.shape)} (odd rows)")
-    F = width // 2 if gated else width
-    D2 = w2.shape[0]
-    if w2.shape[1] != F:
-        raise ValueError(
-            f"w2 {tuple(w2.shape)} must be (D2, F) with F = {F} (w1 {tuple(w1.shape)}, "
-            f"activation {activation!r})")
-    if pre is not None and tuple(pre.shape) != (M, width):
-        raise ValueError(f"pre must be {(M, width)} (M, w1.shape[0]), got {tuple(pre.shape)}")
-    if dout is not None and tuple(dout.shape) != (M, D2):
-        raise ValueError(f"dout must be {(M, D2)} (M, w2.shape[0]), got {tuple(dout.shape)}")
-    return M, D, F, D2, width, act_id, gated
+    F = width // 2 if spec.gated else width
+    return M, D, F, w2.shape[0], width, spec.code, spec.gated
 
 
-def _check_bias(name, b, length, x):
-    if b is None:
-        return
-    if not isinstance(b, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(b).__name__}")
-    if tuple(b.shape) != (length,):
-        raise ValueError(f"{name} must have shape ({length},), got {tuple(b.shape)}")
-    if b.dtype != x.dtype:
-        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {b.dtype}")
-    if b.device != x.device:
-        raise ValueError(f"{name} is on {b.device}, x on {x.device}")
+def _check_int32(name, a, b, n, pre):
+    """The int32 index arithmetic of one :func:`_matmul` launch, checked cheaply: row and column
+    indices up to a tile past M and N, K offsets up to BLOCK_K * stride, and (with pre) its column
+    offsets up to (2N + BLOCK_N) * stride; the row offsets themselves are int64."""
+    big = _MAX_BLOCK
+    spans = [("rows", a.shape[0] + big, 1), ("columns", n + big, 1),
+             ("K offsets of the left operand", big, a.stride(1)),
+             ("K offsets of the right operand", big, b.stride(0))]
+    if pre is not None:
+        spans.append(("pre's column offsets", 2 * n + big, pre.stride(1)))
+    for what, count, stride in spans:
+        if count * abs(stride) >= 2**31:
+            raise ValueError(
+                f"the triton ffn kernels compute {what} of {name} in int32: {count} * stride "
+                f"{stride} >= 2**31 (operands {tuple(a.shape)} with strides {a.stride()}, "
+                f"{tuple(b.shape)} with strides {b.stride()})")
 
 
 def ffn_fwd(x, w1, b1, w2, b2, activation):
@@ -364,14 +347,13 @@ def ffn_fwd(x, w1, b1, w2, b2, activation):
     x (M, D); w1 (F, D), or (2F, D) for swiglu / geglu; w2 (D2, F); b1 (w1.shape[0],) and b2
     (D2,) or None. ``pre = x w1^T + b1`` (M, w1.shape[0]) is kept for :func:`ffn_bwd`.
     """
-    M, D, F, D2, width, act_id, gated = _check_ffn(x, w1, w2, None, None, activation)
-    _check_bias("b1", b1, width, x)
-    _check_bias("b2", b2, D2, x)
+    _check_dtype(x)
+    M, D, F, D2, width, act_id, gated = _dims(x, w1, w2, activation)
     pre = torch.empty((M, width), dtype=x.dtype, device=x.device)
     a = torch.empty((M, F), dtype=x.dtype, device=x.device)
     out = torch.empty((M, D2), dtype=x.dtype, device=x.device)
-    _matmul(x, w1.t(), a, F, bias=b1, pre=pre, activation=act_id, gated=gated)
-    _matmul(a, w2.t(), out, D2, bias=b2)
+    _matmul("x @ w1^T", x, w1.t(), a, F, bias=b1, pre=pre, activation=act_id, gated=gated)
+    _matmul("act @ w2^T", a, w2.t(), out, D2, bias=b2)
     return out, pre
 
 
@@ -380,10 +362,9 @@ def ffn_bwd(dout, x, w1, w2, pre, activation, output_mask):
 
     ``output_mask = [want db1, want db2]``; an unwanted bias gradient is an empty tensor.
     """
-    if len(output_mask) != 2:
-        raise ValueError(f"output_mask must have 2 entries [db1, db2], got {list(output_mask)}")
+    _check_dtype(x)
     want_db1, want_db2 = (bool(v) for v in output_mask)
-    M, D, F, D2, width, act_id, gated = _check_ffn(x, w1, w2, pre, dout, activation)
+    M, D, F, D2, width, act_id, gated = _dims(x, w1, w2, activation)
     opts = dict(dtype=x.dtype, device=x.device)
     dpre = torch.empty((M, width), **opts)
     a = torch.empty((M, F), **opts)
@@ -391,14 +372,14 @@ def ffn_bwd(dout, x, w1, w2, pre, activation, output_mask):
     if want_db1:
         partial = torch.empty((triton.cdiv(M, PARTIAL_ROWS), width), dtype=torch.float32,
                               device=x.device)
-    _matmul(dout, w2, dpre, F, pre=pre, act=a, partial=partial, activation=act_id, gated=gated,
-            act_grad=True)
+    _matmul("dout @ w2", dout, w2, dpre, F, pre=pre, act=a, partial=partial, activation=act_id,
+            gated=gated, act_grad=True)
     dx = torch.empty((M, D), **opts)
     dw1 = torch.empty((width, D), **opts)
     dw2 = torch.empty((D2, F), **opts)
-    _matmul(dpre, w1, dx, D)
-    _matmul(dpre.t(), x, dw1, D)
-    _matmul(dout.t(), a, dw2, F)
+    _matmul("dpre @ w1", dpre, w1, dx, D)
+    _matmul("dpre^T @ x", dpre.t(), x, dw1, D)
+    _matmul("dout^T @ act", dout.t(), a, dw2, F)
     # Unwanted gradients are empty tensors, one each (op outputs may not alias each other).
     db1 = partial.sum(0).to(x.dtype) if want_db1 else torch.empty(0, **opts)
     db2 = dout.sum(0, dtype=torch.float32).to(x.dtype) if want_db2 else torch.empty(0, **opts)

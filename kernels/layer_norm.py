@@ -29,6 +29,10 @@ Split over programs:
   is then summed over programs with torch. The program count is between one and a few waves of SMs, aiming at
   >= 64 rows per program so the partial buffer stays small next to dy/h/dx.
 
+Limits (checked by the launchers; the arguments themselves are checked by fastattn.ops): rows of
+at least one element with a unit last stride (any row stride), at most 2**31 - 4097 rows (row
+indices are int32; element offsets are int64).
+
 Precision: inputs float32/float16/bfloat16 (x, residual, weight, bias may differ in dtype);
 statistics, reductions and partial sums are float32; y, h and dx are rounded to x.dtype (h.dtype)
 once; mean/rstd are float32; dweight/dbias come back in weight's dtype.
@@ -50,6 +54,8 @@ _LOOP_BLOCK_N = 4096
 _LOOP_NUM_WARPS = 8
 _MIN_ROWS_PER_PROGRAM = 64
 _WARPS_PER_SM = 32
+#: Row indices are int32 (a tile's last index, rows + BLOCK_M - 1, must not wrap).
+_MAX_ROWS = 2**31 - 1 - _TILE_ELEMS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,29 +350,26 @@ def _rows_per_tile(block_n, m, num_sms):
     return block_m
 
 
-def _check_tensor(name, t, *, shape, device, dtypes=_SUPPORTED_DTYPES):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: {names}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (the device of x/h)")
-    if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
-
-
-def _check_rows(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (rows, N), got shape {tuple(t.shape)}")
-    if t.shape[1] < 1:
-        raise ValueError(f"{name} must have at least one column, got shape {tuple(t.shape)}")
-    _check_tensor(name, t, shape=t.shape, device=t.device)
+def _check_limits(M, N, **tensors):
+    """What only these kernels know, checked cheaply; the arguments themselves (shapes, devices,
+    eps, rms without bias) are checked once, in fastattn.ops. Each of ``tensors`` (None: absent)
+    must have a dtype the kernels are built for (float32 for mean / rstd) and a unit last stride;
+    rows have at least one element, and the row index (int32) stays below 2**31."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        dtypes = (torch.float32,) if name in ("mean", "rstd") else _SUPPORTED_DTYPES
+        if t.dtype not in dtypes:
+            raise TypeError(f"the triton layer_norm kernels take {name} in "
+                            f"{', '.join(map(str, dtypes))}, got {t.dtype}")
+        if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"the triton layer_norm kernels take {name} with a unit last stride, "
+                             f"got shape {tuple(t.shape)} with strides {tuple(t.stride())}")
+    if N < 1:
+        raise ValueError(f"the triton layer_norm kernels take rows of at least one element, got N = {N}")
+    if M > _MAX_ROWS:
+        raise ValueError(f"the triton layer_norm kernels take at most {_MAX_ROWS} rows "
+                         f"(int32 row indices), got {M}")
 
 
 def layer_norm_fwd(x, residual, weight, bias, eps, rms):
@@ -377,19 +380,9 @@ def layer_norm_fwd(x, residual, weight, bias, eps, rms):
     h = x + residual rounded to x.dtype, or an empty tensor (numel 0) without residual;
     mean, rstd float32 (M,) (mean empty for rms).
     """
-    _check_rows("x", x)
     M, N = x.shape
     rms = bool(rms)
-    if residual is not None:
-        _check_tensor("residual", residual, shape=(M, N), device=x.device)
-    if weight is not None:
-        _check_tensor("weight", weight, shape=(N,), device=x.device)
-    if bias is not None:
-        _check_tensor("bias", bias, shape=(N,), device=x.device)
-        if rms:
-            raise ValueError("bias must be None with rms=True (RMSNorm has no bias)")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    _check_limits(M, N, x=x, residual=residual, weight=weight, bias=bias)
 
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     h = torch.empty((M, N) if residual is not None else (0,), dtype=x.dtype, device=x.device)
@@ -440,19 +433,9 @@ def layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask):
     in h.dtype; dweight, dbias (N,) in weight.dtype. An unwanted gradient, both when weight is
     None, and dbias for rms come back as empty tensors (numel 0, h.dtype).
     """
-    _check_rows("h", h)
     M, N = h.shape
-    _check_tensor("dy", dy, shape=(M, N), device=h.device)
-    if dh is not None:
-        _check_tensor("dh", dh, shape=(M, N), device=h.device)
-    if weight is not None:
-        _check_tensor("weight", weight, shape=(N,), device=h.device)
     rms = bool(rms)
-    if not rms:
-        _check_tensor("mean", mean, shape=(M,), device=h.device, dtypes=(torch.float32,))
-    _check_tensor("rstd", rstd, shape=(M,), device=h.device, dtypes=(torch.float32,))
-    if len(output_mask) != 2:
-        raise ValueError(f"output_mask must be [want dweight, want dbias], got {output_mask!r}")
+    _check_limits(M, N, h=h, dy=dy, dh=dh, weight=weight, mean=None if rms else mean, rstd=rstd)
     compute_dw = bool(output_mask[0]) and weight is not None
     compute_db = bool(output_mask[1]) and weight is not None and not rms
 

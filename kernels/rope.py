@@ -18,6 +18,9 @@ x as two contiguous halves; interleaved loads the whole row and splits the pairs
 from H until the grid has a few programs per SM (decode: L = 1). The op is memory bound: one
 read of x, one write of y, plus the table (from L2 after the first head).
 
+Limits (checked by the launcher; the arguments themselves are checked by fastattn.ops): x with a
+unit last stride, contiguous float32 tables; offsets are int64.
+
 Precision: x float32 / float16 / bfloat16 (any strides with a contiguous last dim); cos/sin
 float32; y is allocated contiguous (B, H, L, D) in x.dtype, rounded once.
 """
@@ -92,13 +95,22 @@ def _rope_kernel(
                      mask=mask)
 
 
-def _check(name, t, *, dtypes, dim):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+def _check_limits(x, cos, sin):
+    """What only this kernel knows, checked cheaply; the arguments themselves (ranks, shapes,
+    devices, positions) are checked once, in fastattn.ops. x in a dtype the kernel is built for
+    with a unit last stride; float32 contiguous tables (indexed as row * D/2 + pair)."""
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"the triton rope kernel takes x in {', '.join(map(str, _SUPPORTED_DTYPES))}, "
+                        f"got {x.dtype}")
+    if x.numel() > 0 and x.stride(3) != 1:
+        raise ValueError(f"the triton rope kernel takes x with a unit last stride, got shape "
+                         f"{tuple(x.shape)} with strides {tuple(x.stride())}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"the triton rope kernel takes float32 tables, got {name} {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"the triton rope kernel takes contiguous tables, got {name} of shape "
+                             f"{tuple(t.shape)} with strides {tuple(t.stride())}")
 
 
 def rope_fwd(x, cos, sin, positions, interleaved, inverse):
@@ -109,38 +121,13 @@ def rope_fwd(x, cos, sin, positions, interleaved, inverse):
     uses row l). positions: None or an int64 (B, L) tensor (any strides, e.g. an expanded (L,))
     of table rows; a row outside [0, P) gives NaN for that token. interleaved: pairs (2i, 2i+1)
     instead of (i, i + D/2). inverse: rotate by -theta (the backward of the forward rotation).
-    Returns y, a contiguous (B, H, L, D) tensor in x.dtype.
+    Returns y, a contiguous (B, H, L, D) tensor in x.dtype. The arguments are checked by
+    fastattn.ops (the registered op runs the same check); this checks the kernel's own limits.
     """
-    _check("x", x, dtypes=_SUPPORTED_DTYPES, dim=4)
+    _check_limits(x, cos, sin)
     B, H, L, D = x.shape
-    if D % 2 or D == 0:
-        raise ValueError(f"x's last dim (head dim) must be even and positive, got {D}")
-    if x.numel() > 0 and x.stride(3) != 1:
-        raise ValueError(f"x must have a contiguous last dimension, got strides {tuple(x.stride())}")
     half = D // 2
-    for name, t in (("cos", cos), ("sin", sin)):
-        _check(name, t, dtypes=(torch.float32,), dim=2)
-        if t.shape[1] != half:
-            raise ValueError(f"{name} must have D/2 = {half} columns, got shape {tuple(t.shape)}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, expected {x.device} (the device of x)")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
-    if cos.shape != sin.shape:
-        raise ValueError(
-            f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     P = cos.shape[0]
-    if positions is None:
-        if P != L:
-            raise ValueError(f"without positions the tables must have L = {L} rows, got {P}")
-    else:
-        _check("positions", positions, dtypes=(torch.int64,), dim=2)
-        if tuple(positions.shape) != (B, L):
-            raise ValueError(
-                f"positions must have shape (B, L) = {(B, L)}, got {tuple(positions.shape)}")
-        if positions.device != x.device:
-            raise ValueError(f"positions is on {positions.device}, expected {x.device}")
-
     y = torch.empty((B, H, L, D), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y

@@ -24,10 +24,11 @@ of its strides, so broadcast views (stride 0) are never materialized. Outputs ar
   max grows), then a normalize pass that re-reads ``x`` and writes ``y``; backward accumulates
   ``sum dy * y`` in one pass, then writes ``dx`` in a second.
 
-Limits: ``x`` in float32 / float16 / bfloat16, 4-D with a contiguous last dimension, fewer than
-2**31 rows; any row length (the long path has no upper bound, but a few very long rows give few
-programs: one per row). The mask is bool
-(True = keep) or any floating dtype and must have exactly ``x``'s shape (use ``expand`` for
+Limits (checked by the launchers; the arguments themselves are checked by fastattn.ops): ``x`` in
+float32 / float16 / bfloat16, 4-D with a contiguous last dimension, at most 2**31 - 4097 rows
+(int32 row indices) and a mask whose offsets along a row fit in int32; any row length (the long
+path has no upper bound, but a few very long rows give few programs: one per row). The mask is
+bool (True = keep) or any floating dtype and must have exactly ``x``'s shape (use ``expand`` for
 broadcasting). Precision: loads are upcast to float32, reductions and exponentials are float32,
 results are rounded once to ``x``'s dtype.
 """
@@ -49,6 +50,8 @@ _LONG_BLOCK_N = 4096
 _LOG2E = math.log2(math.e)
 _LOG2E_TL: tl.constexpr = tl.constexpr(_LOG2E)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Row indices are int32 (a tile's last index, rows + BLOCK_M - 1, must not wrap).
+_MAX_ROWS = 2**31 - 1 - _ROWS_TILE
 
 
 @triton.jit
@@ -188,24 +191,28 @@ def _softmax_bwd_long_kernel(DX, DY, Y, N, L1, Lq,
         tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=valid)
 
 
-def _check_rows(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must be 4-D (L0, L1, Lq, Lk), got shape {tuple(t.shape)}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must have a contiguous last dimension, got shape {tuple(t.shape)} "
-            f"with strides {t.stride()}")
+def _check_limits(mask=None, **tensors):
+    """What only these kernels know, checked cheaply; the arguments themselves (ranks, shapes,
+    devices, mask dtype) are checked once, in fastattn.ops. Returns the row count (L0 * L1 * Lq).
 
-
-def _check_row_count(name, t):
+    Each of ``tensors`` (4-D) in a dtype the kernels are built for, with a unit last stride; the
+    flattened row index is int32 (fewer than 2**31 - _ROWS_TILE rows, so a tile's last index does
+    not wrap), and so is the mask's offset along a row ((Lk - 1) * its last stride)."""
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"the triton softmax kernels take {name} in float32, float16 or "
+                            f"bfloat16, got {t.dtype}")
+        if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"the triton softmax kernels take {name} with a unit last stride, got "
+                             f"shape {tuple(t.shape)} with strides {t.stride()}")
+    name, t = next(iter(tensors.items()))
     n_rows = t.shape[0] * t.shape[1] * t.shape[2]
-    if n_rows >= 2**31:
-        raise ValueError(
-            f"{name} has {n_rows} rows (L0 * L1 * Lq); at most 2**31 - 1 are supported")
+    if n_rows > _MAX_ROWS:
+        raise ValueError(f"{name} has {n_rows} rows (L0 * L1 * Lq); the triton softmax kernels "
+                         f"take at most {_MAX_ROWS} (int32 row indices)")
+    if mask is not None and (mask.shape[-1] - 1) * abs(mask.stride(-1)) >= 2**31:
+        raise ValueError(f"mask {tuple(mask.shape)} with strides {mask.stride()}: offsets along a "
+                         f"row must fit in int32")
     return n_rows
 
 
@@ -226,19 +233,8 @@ def softmax_fwd(x, mask, scale, is_causal):
     floating (added after scaling). ``is_causal``: key j visible to query i iff j <= i. Returns a
     contiguous tensor of ``x``'s dtype; fully masked rows are zeros.
     """
-    _check_rows("x", x)
+    n_rows = _check_limits(mask, x=x)
     L0, L1, Lq, Lk = x.shape
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.shape != x.shape:
-            raise ValueError(
-                f"mask must have x's shape {tuple(x.shape)} (expand it), got {tuple(mask.shape)}")
-        if mask.device != x.device:
-            raise ValueError(f"mask is on {mask.device}, x on {x.device}")
-        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            raise TypeError(f"mask must be bool or floating, got {mask.dtype}")
-    n_rows = _check_row_count("x", x)
     y = torch.empty((L0, L1, Lq, Lk), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
@@ -266,17 +262,8 @@ def softmax_bwd(dy, y, scale):
 
     Returns a contiguous tensor of ``y``'s dtype.
     """
-    _check_rows("dy", dy)
-    _check_rows("y", y)
-    if dy.shape != y.shape:
-        raise ValueError(f"dy and y must have the same shape, got {tuple(dy.shape)} and "
-                         f"{tuple(y.shape)}")
-    if dy.dtype != y.dtype:
-        raise TypeError(f"dy and y must have the same dtype, got {dy.dtype} and {y.dtype}")
-    if dy.device != y.device:
-        raise ValueError(f"dy is on {dy.device}, y on {y.device}")
+    n_rows = _check_limits(y=y, dy=dy)
     L0, L1, Lq, Lk = y.shape
-    n_rows = _check_row_count("y", y)
     dx = torch.empty((L0, L1, Lq, Lk), dtype=y.dtype, device=y.device)
     if dx.numel() == 0:
         return dx

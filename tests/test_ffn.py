@@ -9,7 +9,7 @@ from fastattn import reference
 from fastattn.ops.ffn import ACTIVATIONS, GATED, activate
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params, registered_ops
+from conftest import DEVICE, backend_params, registered_ops
 
 BACKENDS = backend_params("ffn")
 
@@ -81,6 +81,49 @@ def test_bad_input_errors(backend, device):
         fastattn.ffn(x, torch.randn(15, 8, device=device), None, w2, None, "swiglu", backend=backend)
     with pytest.raises(TypeError, match="dtype"):
         fastattn.ffn(x.double(), w1, None, w2, None, backend=backend)
+
+
+needs_triton = pytest.mark.skipif(not hasattr(torch.ops.fastattn, "triton_ffn_fwd"),
+                                  reason="triton is not installed")
+
+
+@needs_triton
+def test_triton_ops_check_their_arguments():
+    """The registered Triton ops (callable directly through torch.ops) run the public function's
+    checks, written once in fastattn.ops, and the contract's (x 2-D, dout and pre shaped by it)."""
+    fwd, bwd = torch.ops.fastattn.triton_ffn_fwd, torch.ops.fastattn.triton_ffn_bwd
+    x, w1, w2 = (torch.randn(*s, device=DEVICE) for s in ((3, 4), (6, 4), (4, 6)))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        fwd(x[None], w1, None, w2, None, "gelu")
+    with pytest.raises(ValueError, match="unknown activation"):
+        fwd(x, w1, None, w2, None, "tanh")
+    with pytest.raises(ValueError, match="w1 has shape"):
+        fwd(x, w1[:, :3], None, w2, None, "gelu")
+    with pytest.raises(ValueError, match="b1 has shape"):
+        fwd(x, w1, torch.zeros(5, device=DEVICE), w2, None, "gelu")
+    with pytest.raises(TypeError, match="dtype"):
+        fwd(x, w1.half(), None, w2, None, "gelu")
+    pre, dout = torch.randn(3, 6, device=DEVICE), torch.randn(3, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="dout must have shape"):
+        bwd(dout[:2], x, w1, w2, pre, "gelu", [False, False])
+    with pytest.raises(TypeError, match="pre must be torch.float32"):
+        bwd(dout, x, w1, w2, pre.half(), "gelu", [False, False])
+    with pytest.raises(ValueError, match="output_mask"):
+        bwd(dout, x, w1, w2, pre, "gelu", [False])
+
+
+@needs_triton
+def test_kernel_limits():
+    """What only the kernels know, checked by their launchers: the dtypes they are built for and
+    int32 index arithmetic (here K offsets of a column-major x; meta tensors: no memory)."""
+    from fastattn.kernels.ffn import ffn_fwd
+
+    x, w1, w2 = torch.randn(3, 4), torch.randn(6, 4), torch.randn(4, 6)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        ffn_fwd(x.double(), w1.double(), None, w2.double(), None, "gelu")
+    x = torch.empty_strided((2, 4), (1, 2**28), device="meta")
+    with pytest.raises(ValueError, match=r"K offsets .* x @ w1\^T in int32"):
+        ffn_fwd(x, w1.to("meta"), None, w2.to("meta"), None, "gelu")
 
 
 @pytest.mark.parametrize("op,device", registered_ops("ffn"))

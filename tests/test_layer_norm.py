@@ -9,7 +9,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params, registered_ops
+from conftest import DEVICE, backend_params, registered_ops
 
 BACKENDS = backend_params("layer_norm")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -177,6 +177,59 @@ def test_bad_input_errors(backend, device):
         fastattn.add_layer_norm(x, x[:2], (8,), backend=backend)
     with pytest.raises(ValueError, match="bias must be None"):
         fastattn.add_layer_norm(x, x, (8,), None, torch.ones(8, device=device), rms=True, backend=backend)
+
+
+needs_triton = pytest.mark.skipif(not hasattr(torch.ops.fastattn, "triton_layer_norm_fwd"),
+                                  reason="triton is not installed")
+
+
+@needs_triton
+def test_triton_ops_check_their_arguments():
+    """The registered Triton ops (callable directly through torch.ops) run the public functions'
+    checks, written once in fastattn.ops: bad arguments get their errors before any kernel."""
+    fwd, bwd = torch.ops.fastattn.triton_layer_norm_fwd, torch.ops.fastattn.triton_layer_norm_bwd
+    x = torch.randn(4, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        fwd(x[0], None, None, None, 1e-5, False)
+    with pytest.raises(ValueError, match="weight has shape"):
+        fwd(x, None, w[:7], None, 1e-5, False)
+    with pytest.raises(ValueError, match="residual has shape"):
+        fwd(x, x[:2], None, None, 1e-5, False)
+    with pytest.raises(TypeError, match="residual has dtype"):
+        fwd(x, x.half(), None, None, 1e-5, False)
+    with pytest.raises(ValueError, match="bias must be None"):
+        fwd(x, None, w, w, 1e-5, True)
+    with pytest.raises(ValueError, match="eps must be a non-negative"):
+        fwd(x, None, None, None, -1.0, False)
+    mean, rstd = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    with pytest.raises(ValueError, match="dy must have shape"):
+        bwd(x[:2], None, x, w, mean, rstd, False, [True, True])
+    with pytest.raises(ValueError, match="mean must have shape"):
+        bwd(x, None, x, w, mean[:2], rstd, False, [True, True])
+    with pytest.raises(TypeError, match="rstd must be torch.float32"):
+        bwd(x, None, x, w, mean, rstd.double(), False, [True, True])
+    with pytest.raises(ValueError, match="output_mask"):
+        bwd(x, None, x, w, mean, rstd, False, [True])
+
+
+@needs_triton
+def test_kernel_limits():
+    """What only the kernels know, checked by their launchers: the dtypes they are built for,
+    unit last strides, rows of at least one element, int32 row indices (meta tensors: no memory)."""
+    from fastattn.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="take x in"):
+        layer_norm_fwd(x.double(), None, None, None, 1e-5, False)
+    with pytest.raises(ValueError, match="weight with a unit last stride"):
+        layer_norm_fwd(x, None, torch.ones(16)[::2], None, 1e-5, False)
+    with pytest.raises(ValueError, match="at least one element"):
+        layer_norm_fwd(x[:, :0], None, None, None, 1e-5, False)
+    with pytest.raises(ValueError, match="int32"):
+        layer_norm_fwd(torch.empty(2**31, 1, device="meta"), None, None, None, 1e-5, True)
+    with pytest.raises(TypeError, match="take rstd in torch.float32"):
+        layer_norm_bwd(x, None, x, None, torch.zeros(4), torch.ones(4).double(), False, [False, False])
 
 
 @pytest.mark.parametrize("op,device", registered_ops("layer_norm"))

@@ -261,6 +261,54 @@ def test_bad_input_errors(backend, device):
             rope(x, cos, sin, positions=torch.tensor([0, 1, 2, 4]), backend=backend)
 
 
+needs_triton = pytest.mark.skipif(not hasattr(torch.ops.fastattn, "triton_rope_fwd"),
+                                  reason="triton is not installed")
+
+
+@needs_triton
+def test_triton_op_checks_its_arguments():
+    """The registered Triton op (callable directly through torch.ops) runs the public function's
+    checks, written once in fastattn.ops, and the contract's (positions int64 (B, L), one table
+    row per token without them): bad arguments get their errors before any kernel."""
+    op = torch.ops.fastattn.triton_rope_fwd
+    device = torch.device("cuda" if GPU else "cpu")
+    x = torch.randn(2, 3, 4, 8, device=device)
+    cos, sin = rotary_cos_sin(4, 8, device=device)
+    with pytest.raises(ValueError, match="4-D"):
+        op(x[0], cos, sin, None, False, False)
+    with pytest.raises(ValueError, match="even"):
+        op(x[..., :7], cos, sin, None, False, False)
+    with pytest.raises(ValueError, match="cos must have shape"):
+        op(x, cos[:, :3], sin, None, False, False)
+    with pytest.raises(ValueError, match="same shape"):
+        op(x, cos, sin[:3], None, False, False)
+    with pytest.raises(ValueError, match="one row per token"):
+        op(x, cos[:3], sin[:3], None, False, False)
+    positions = torch.zeros(2, 4, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="positions must have shape"):
+        op(x, cos, sin, positions[:, :3], False, False)
+    with pytest.raises(TypeError, match="positions must be torch.int64"):
+        op(x, cos, sin, positions.int(), False, False)
+
+
+@needs_triton
+def test_kernel_limits():
+    """What only the kernel knows, checked by its launcher: the dtypes it is built for, x with a
+    unit last stride, contiguous tables."""
+    from fastattn.kernels.rope import rope_fwd
+
+    x = torch.randn(2, 3, 4, 8)
+    cos, sin = rotary_cos_sin(4, 8)
+    with pytest.raises(TypeError, match="takes x in"):
+        rope_fwd(x.double(), cos, sin, None, False, False)
+    with pytest.raises(ValueError, match="unit last stride"):
+        rope_fwd(torch.randn(2, 3, 4, 16)[..., ::2], cos, sin, None, False, False)
+    with pytest.raises(TypeError, match="float32 tables"):
+        rope_fwd(x, cos.double(), sin, None, False, False)
+    with pytest.raises(ValueError, match="contiguous tables"):
+        rope_fwd(x, torch.randn(8, 4)[::2], sin, None, False, False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Registration: opcheck, torch.compile.
 

@@ -7,7 +7,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params, registered_ops
+from conftest import DEVICE, backend_params, registered_ops
 
 BACKENDS = backend_params("softmax")
 
@@ -90,6 +90,49 @@ def test_bad_input_errors(backend, device):
         fastattn.scaled_masked_softmax(x.int(), backend=backend)
     with pytest.raises(ValueError, match="is_causal"):
         fastattn.scaled_masked_softmax(x[0, 0], is_causal=True, backend=backend)
+
+
+needs_triton = pytest.mark.skipif(not hasattr(torch.ops.fastattn, "triton_softmax_fwd"),
+                                  reason="triton is not installed")
+
+
+@needs_triton
+def test_triton_ops_check_their_arguments():
+    """The registered Triton ops (callable directly through torch.ops) run the public function's
+    checks, written once in fastattn.ops, and the contract's (x 4-D, the mask expanded to it)."""
+    fwd, bwd = torch.ops.fastattn.triton_softmax_fwd, torch.ops.fastattn.triton_softmax_bwd
+    x = torch.randn(2, 3, 4, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="4-D"):
+        fwd(x[0], None, 1.0, False)
+    with pytest.raises(TypeError, match="dtype"):
+        fwd(x.int(), None, 1.0, False)
+    with pytest.raises(TypeError, match="mask must be bool or floating"):
+        fwd(x, torch.ones_like(x, dtype=torch.int32), 1.0, False)
+    with pytest.raises(ValueError, match="expand it"):
+        fwd(x, torch.ones(1, 1, 1, 5, dtype=torch.bool, device=DEVICE), 1.0, False)
+    with pytest.raises(ValueError, match="dy must have shape"):
+        bwd(x[:1], x, 1.0)
+    with pytest.raises(TypeError, match="dy must be torch.float32"):
+        bwd(x.half(), x, 1.0)
+
+
+@needs_triton
+def test_kernel_limits():
+    """What only the kernels know, checked by their launchers: the dtypes they are built for,
+    unit last strides, int32 row indices and mask offsets along a row (meta tensors: no memory)."""
+    from fastattn.kernels.softmax import softmax_bwd, softmax_fwd
+
+    x = torch.randn(2, 3, 4, 5)
+    with pytest.raises(TypeError, match="take x in"):
+        softmax_fwd(x.double(), None, 1.0, False)
+    with pytest.raises(ValueError, match="dy with a unit last stride"):
+        softmax_bwd(x.transpose(2, 3).contiguous().transpose(2, 3), x, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        softmax_fwd(torch.empty(2**31, 1, 1, 1, device="meta"), None, 1.0, False)
+    x = torch.empty(1, 1, 1, 2**16 + 1, device="meta")
+    mask = torch.empty_strided(x.shape, (0, 0, 0, 2**15), dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match="mask .* int32"):
+        softmax_fwd(x, mask, 1.0, False)
 
 
 @pytest.mark.parametrize("op,device", registered_ops("softmax"))

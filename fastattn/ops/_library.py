@@ -190,6 +190,21 @@ def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def check_like(device: torch.device, **like: tuple) -> None:
+    """The registered ops' check of the tensors that only they take (gradients, saved outputs,
+    statistics): each ``name=(tensor, shape, dtype)`` must be a tensor of ``shape`` on ``device``,
+    of ``dtype`` (None: any dtype; the launcher says which it takes). ValueError/TypeError naming
+    the argument otherwise. Shapes, dtypes and devices only: never a device-to-host sync."""
+    for name, (t, shape, dtype) in like.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(shape) or t.device != device:
+            raise ValueError(f"{name} must have shape {tuple(shape)} on {device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+
+
 def empty_or_none(t: torch.Tensor) -> torch.Tensor | None:
     """Ops return empty tensors for outputs that were not asked for; autograd wants None."""
     return None if t.numel() == 0 else t

@@ -22,7 +22,9 @@ from torch import Tensor
 from fastattn import activations as act
 from fastattn import backends
 from fastattn.activations import ACTIVATIONS, GATED
-from fastattn.ops._library import define_op, forward_ad_needs, empty_or_none, triton_kernels
+from fastattn.ops._library import (
+    check_like, define_op, empty_or_none, forward_ad_needs, triton_kernels,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -76,12 +78,18 @@ def _backward(ops, ctx, dout, _dpre):
 def _triton_fwd(
     x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str
 ) -> tuple[Tensor, Tensor]:
+    _check_op(x, w1, b1, w2, b2, activation)
     return _kernels.ffn_fwd(x, w1, b1, w2, b2, activation)
 
 
 def _triton_bwd(
     dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, activation: str, output_mask: list[bool]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_op(x, w1, None, w2, None, activation)
+    check_like(x.device, dout=(dout, (x.shape[0], w2.shape[0]), x.dtype),
+               pre=(pre, (x.shape[0], w1.shape[0]), x.dtype))
+    if len(output_mask) != 2:
+        raise ValueError(f"output_mask must have 2 entries [db1, db2], got {list(output_mask)}")
     return _kernels.ffn_bwd(dout, x, w1, w2, pre, activation, output_mask)
 
 
@@ -98,22 +106,9 @@ define_op("ffn", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, setup_context=_setup_co
           adapt=_compiled)
 
 
-def ffn(
-    x: Tensor,
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    activation: str = "gelu",
-    *,
-    backend: str | None = None,
-) -> Tensor:
-    """``act(x @ w1^T + b1) @ w2^T + b2`` with the bias and activation fused into the matmuls.
-
-    Weights in nn.Linear layout: ``w1`` (F, D) — (2F, D) for ``swiglu``/``geglu``, whose first
-    output half is the gate and second half the up projection — and ``w2`` (D2, F). Activations:
-    ``gelu`` (exact), ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``, ``geglu``. Any leading shape.
-    """
+def _check(x, w1, b1, w2, b2, activation) -> None:
+    """The argument checks, written once: run by :func:`ffn` and (through :func:`_check_op`) by
+    the registered Triton ops."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose from {list(ACTIVATIONS)}")
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
@@ -139,6 +134,35 @@ def ffn(
         raise ValueError(f"b1 has shape {list(b1.shape)}, expected [{w1.shape[0]}]")
     if b2 is not None and tuple(b2.shape) != (w2.shape[0],):
         raise ValueError(f"b2 has shape {list(b2.shape)}, expected [{w2.shape[0]}]")
+
+
+def _check_op(x, w1, b1, w2, b2, activation) -> None:
+    """The registered Triton ops' check (callable directly through ``torch.ops``, with the backend
+    contract's arguments): :func:`_check` with x 2-D (M, D). The kernels' launchers check only
+    their own limits."""
+    _check(x, w1, b1, w2, b2, activation)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, D), got shape {list(x.shape)}")
+
+
+def ffn(
+    x: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    activation: str = "gelu",
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """``act(x @ w1^T + b1) @ w2^T + b2`` with the bias and activation fused into the matmuls.
+
+    Weights in nn.Linear layout: ``w1`` (F, D) — (2F, D) for ``swiglu``/``geglu``, whose first
+    output half is the gate and second half the up projection — and ``w2`` (D2, F). Activations:
+    ``gelu`` (exact), ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``, ``geglu``. Any leading shape.
+    """
+    _check(x, w1, b1, w2, b2, activation)
+    d = x.shape[-1]
     _, impl = backends.select("ffn", x.device, backend, x.dtype, needs=forward_ad_needs(x, w1, b1, w2, b2))
     out = impl(x.reshape(-1, d).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2, activation)
     return out.view(*x.shape[:-1], w2.shape[0])

@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import define_op, forward_ad_needs, empty_or_none, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import (
+    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_kernels,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -75,6 +77,7 @@ def _triton_fwd(
     eps: float,
     rms: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_op(x, residual, weight, bias, eps, rms)
     return _kernels.layer_norm_fwd(x, residual, weight, bias, eps, rms)
 
 
@@ -88,6 +91,7 @@ def _triton_bwd(
     rms: bool,
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask)
     return _kernels.layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask)
 
 
@@ -140,36 +144,68 @@ define_op("layer_norm", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, setup_context=_s
 # Public functions.
 
 
-def _check(x, residual, normalized_shape, weight, bias) -> tuple[int, ...]:
+def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") -> tuple[int, ...]:
+    """The argument checks, written once: run by the public functions and by the registered Triton
+    ops (through :func:`_check_op`). Returns normalized_shape as a tuple."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"input must be a Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
     if x.dtype not in _DTYPES:
-        raise TypeError(f"input has dtype {x.dtype}; supported: {list(_DTYPES)}")
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(_DTYPES)}")
     if isinstance(normalized_shape, numbers.Integral):
         normalized_shape = (int(normalized_shape),)
     shape = tuple(int(s) for s in normalized_shape)
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
         raise ValueError(
-            f"normalized_shape {list(shape)} must be a non-empty suffix of the input's shape "
+            f"normalized_shape {list(shape)} must be a non-empty suffix of {name}'s shape "
             f"{list(x.shape)}"
         )
-    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+    for arg, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        want = x.shape if name == "residual" else shape
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{arg} must be a Tensor or None, got {type(t).__name__}")
+        want = x.shape if arg == "residual" else shape
         if tuple(t.shape) != tuple(want):
-            raise ValueError(f"{name} has shape {list(t.shape)}, expected {list(want)}")
+            raise ValueError(f"{arg} has shape {list(t.shape)}, expected {list(want)}")
         if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but the input is on {x.device}")
+            raise ValueError(f"{arg} is on {t.device} but {name} is on {x.device}")
         if not t.is_floating_point():
-            raise TypeError(f"{name} has dtype {t.dtype}; it must be a floating dtype")
+            raise TypeError(f"{arg} has dtype {t.dtype}; it must be a floating dtype")
     if residual is not None and residual.dtype != x.dtype:
-        raise TypeError(f"residual has dtype {residual.dtype}, the input {x.dtype}: they must match")
+        raise TypeError(f"residual has dtype {residual.dtype}, {name} {x.dtype}: they must match")
+    if rms and bias is not None:
+        raise ValueError("bias must be None with rms=True (RMSNorm has no bias)")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     return shape
 
 
+def _check_op(x, residual, weight, bias, eps, rms, name="x") -> None:
+    """The registered Triton ops' check (callable directly through ``torch.ops``; they take the
+    rows as a (M, N) matrix): :func:`_check` with normalized_shape (N,). The kernels' launchers
+    check only their own limits."""
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (rows, N), got shape {list(x.shape)}")
+    _check(x, residual, x.shape[-1:], weight, bias, eps, rms, name=name)
+
+
+def _check_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask) -> None:
+    """The registered Triton backward's check: h (M, N) and weight as in the forward, dy and dh
+    (M, N) on h's device, the float32 statistics (M,) (mean only for LayerNorm)."""
+    _check_op(h, None, weight, None, 0.0, rms, name="h")
+    M, N = h.shape
+    like = {"dy": (dy, (M, N), None), "rstd": (rstd, (M,), torch.float32)}
+    if dh is not None:
+        like["dh"] = (dh, (M, N), None)
+    if not rms:
+        like["mean"] = (mean, (M,), torch.float32)
+    check_like(h.device, **like)
+    if len(output_mask) != 2:
+        raise ValueError(f"output_mask must be [want dweight, want dbias], got {output_mask!r}")
+
+
 def _run(x, residual, normalized_shape, weight, bias, eps, rms, backend):
-    shape = _check(x, residual, normalized_shape, weight, bias)
+    shape = _check(x, residual, normalized_shape, weight, bias, eps, rms)
     _, impl = backends.select("layer_norm", x.device, backend, x.dtype,
                               needs=forward_ad_needs(x, residual, weight, bias))
     return impl(x, residual, shape, weight, bias, float(eps), rms)
@@ -227,6 +263,4 @@ def add_layer_norm(
     """
     if residual is None:
         raise ValueError("residual must be a Tensor; use layer_norm or rms_norm without one")
-    if rms and bias is not None:
-        raise ValueError("bias must be None with rms=True (RMSNorm has no bias)")
     return _run(input, residual, normalized_shape, weight, bias, eps, rms, backend)

@@ -28,7 +28,9 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import define_op, forward_ad_needs, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import (
+    check_like, define_op, forward_ad_needs, last_dim_contiguous, triton_kernels,
+)
 
 __all__ = ["rope", "rotary_cos_sin"]
 
@@ -170,6 +172,7 @@ def _triton_fwd(
     interleaved: bool,
     inverse: bool,
 ) -> Tensor:
+    _check_op(x, cos, sin, positions)
     return _kernels.rope_fwd(x, cos, sin, positions, interleaved, inverse)
 
 
@@ -236,6 +239,22 @@ def _check_tables(cos, sin, x) -> None:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got {list(cos.shape)} and {list(sin.shape)}")
+
+
+def _check_op(x, cos, sin, positions) -> None:
+    """The registered Triton op's check (callable directly through ``torch.ops``, with the backend
+    contract's arguments): the public function's :func:`_check_x` and :func:`_check_tables`, and
+    positions as the contract has them (None with one table row per token, else int64 (B, L)).
+    The kernel's launcher checks only its own limits."""
+    _check_x(x)
+    _check_tables(cos, sin, x)
+    B, _, L, _ = x.shape
+    if positions is None:
+        if cos.shape[0] != L:
+            raise ValueError(f"without positions the tables must have one row per token, "
+                             f"L = {L}, got cos {list(cos.shape)}")
+    else:
+        check_like(x.device, positions=(positions, (B, L), torch.int64))
 
 
 def rope(

@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import define_op, forward_ad_needs, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import (
+    check_like, define_op, forward_ad_needs, last_dim_contiguous, triton_kernels,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -60,10 +62,13 @@ def _backward(ops, ctx, dy):
 
 
 def _triton_fwd(x: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool) -> Tensor:
+    _check_op(x, mask)
     return _kernels.softmax_fwd(x, mask, scale, is_causal)
 
 
 def _triton_bwd(dy: Tensor, y: Tensor, scale: float) -> Tensor:
+    _check_op(y, None, name="y")
+    check_like(y.device, dy=(dy, y.shape, y.dtype))
     return _kernels.softmax_bwd(dy, y, scale)
 
 
@@ -77,6 +82,44 @@ def _as_4d(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     lead = shape[:-3] if len(shape) > 3 else ()
     full = (math.prod(lead), *([1] * (3 - len(shape))), *shape[-min(3, len(shape)):])
     return t.reshape(full)
+
+
+def _check(x, mask, is_causal, name="x") -> None:
+    """The argument checks, written once: run by :func:`scaled_masked_softmax` and (through
+    :func:`_check_op`) by the registered Triton ops."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(_DTYPES)}")
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension")
+    if is_causal and x.dim() < 2:
+        raise ValueError(f"is_causal needs {name} with at least 2 dims (..., Lq, Lk), got shape {list(x.shape)}")
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool or floating, got {mask.dtype}")
+    if mask.device != x.device:
+        raise ValueError(f"mask is on {mask.device} but {name} is on {x.device}")
+    shape = tuple(x.shape)
+    try:
+        if torch.broadcast_shapes(mask.shape, shape) != shape:
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(f"mask of shape {list(mask.shape)} is not broadcastable to {name}'s shape {list(shape)}") from None
+
+
+def _check_op(x, mask, name="x") -> None:
+    """The registered Triton ops' check (callable directly through ``torch.ops``, with the backend
+    contract's arguments): :func:`_check`, x 4-D (L0, L1, Lq, Lk) and the mask expanded to x's
+    shape. The kernels' launchers check only their own limits."""
+    _check(x, mask, False, name=name)
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be 4-D (L0, L1, Lq, Lk), got shape {list(x.shape)}")
+    if mask is not None and mask.shape != x.shape:
+        raise ValueError(f"mask must have {name}'s shape {list(x.shape)} (expand it), got {list(mask.shape)}")
 
 
 def scaled_masked_softmax(
@@ -94,25 +137,9 @@ def scaled_masked_softmax(
     differ from Lk). Any leading shape and row length; rows with nothing kept are all zeros with
     zero gradient. Statistics in float32.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; supported: {list(_DTYPES)}")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension")
-    if is_causal and x.dim() < 2:
-        raise ValueError(f"is_causal needs x with at least 2 dims (..., Lq, Lk), got shape {list(x.shape)}")
+    _check(x, mask, is_causal)
     shape = tuple(x.shape)
     if mask is not None:
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(f"mask must be bool or floating, got {mask.dtype}")
-        if mask.device != x.device:
-            raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
-        try:
-            if torch.broadcast_shapes(mask.shape, shape) != shape:
-                raise RuntimeError
-        except RuntimeError:
-            raise ValueError(f"mask of shape {list(mask.shape)} is not broadcastable to x's shape {list(shape)}") from None
         mask = _as_4d(mask.expand(shape), shape)
     x4 = _as_4d(x, shape)
     if x4.stride(-1) != 1:
