@@ -31,8 +31,7 @@ def _dims(q, k, v, mask=None):
     kernels add ``row * stride`` in 32 bits to an int64 slice base)."""
     B, H, Lq, D = q.shape
     _, Hkv, Lk, Dv = v.shape
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"the triton attention kernels take float16, bfloat16 or float32, got {q.dtype}")
+    tuning.check_layout("attention", "q", q, _DTYPES)
     if max(D, Dv) > _MAX_HEAD_DIM:
         raise ValueError(f"the triton attention kernels take head dims up to {_MAX_HEAD_DIM}: "
                          f"q {tuple(q.shape)}, v {tuple(v.shape)}")

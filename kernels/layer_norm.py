@@ -358,13 +358,8 @@ def _check_limits(M, N, **tensors):
     for name, t in tensors.items():
         if t is None:
             continue
-        dtypes = (torch.float32,) if name in ("mean", "rstd") else _SUPPORTED_DTYPES
-        if t.dtype not in dtypes:
-            raise TypeError(f"the triton layer_norm kernels take {name} in "
-                            f"{', '.join(map(str, dtypes))}, got {t.dtype}")
-        if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"the triton layer_norm kernels take {name} with a unit last stride, "
-                             f"got shape {tuple(t.shape)} with strides {tuple(t.stride())}")
+        tuning.check_layout("layer_norm", name, t,
+                            (torch.float32,) if name in ("mean", "rstd") else _SUPPORTED_DTYPES)
     if N < 1:
         raise ValueError(f"the triton layer_norm kernels take rows of at least one element, got N = {N}")
     if M > _MAX_ROWS:

@@ -99,12 +99,7 @@ def _check_limits(x, cos, sin):
     """What only this kernel knows, checked cheaply; the arguments themselves (ranks, shapes,
     devices, positions) are checked once, in fastattn.ops. x in a dtype the kernel is built for
     with a unit last stride; float32 contiguous tables (indexed as row * D/2 + pair)."""
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"the triton rope kernel takes x in {', '.join(map(str, _SUPPORTED_DTYPES))}, "
-                        f"got {x.dtype}")
-    if x.numel() > 0 and x.stride(3) != 1:
-        raise ValueError(f"the triton rope kernel takes x with a unit last stride, got shape "
-                         f"{tuple(x.shape)} with strides {tuple(x.stride())}")
+    tuning.check_layout("rope", "x", x, _SUPPORTED_DTYPES)
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype != torch.float32:
             raise TypeError(f"the triton rope kernel takes float32 tables, got {name} {t.dtype}")

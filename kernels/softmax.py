@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
+
 __all__ = ["softmax_fwd", "softmax_bwd", "MAX_FUSED_N"]
 
 #: Longest padded row (elements) handled in registers in one pass; longer rows use the chunked path.
@@ -199,12 +201,7 @@ def _check_limits(mask=None, **tensors):
     flattened row index is int32 (fewer than 2**31 - _ROWS_TILE rows, so a tile's last index does
     not wrap), and so is the mask's offset along a row ((Lk - 1) * its last stride)."""
     for name, t in tensors.items():
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"the triton softmax kernels take {name} in float32, float16 or "
-                            f"bfloat16, got {t.dtype}")
-        if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"the triton softmax kernels take {name} with a unit last stride, got "
-                             f"shape {tuple(t.shape)} with strides {t.stride()}")
+        tuning.check_layout("softmax", name, t, _DTYPES)
     name, t = next(iter(tensors.items()))
     n_rows = t.shape[0] * t.shape[1] * t.shape[2]
     if n_rows > _MAX_ROWS:

@@ -70,3 +70,15 @@ def capability():
     if not torch.cuda.is_available():
         return (0, 0)
     return torch.cuda.get_device_capability()
+
+
+def check_layout(kernels, name, t, dtypes):
+    """The launcher limit every kernel module shares: ``t`` (argument ``name`` of the triton
+    ``kernels``) in one of ``dtypes``, with a unit last stride (an empty tensor or a size-1 last
+    dim passes). TypeError / ValueError naming the argument otherwise."""
+    if t.dtype not in dtypes:
+        raise TypeError(f"the triton {kernels} kernels take {name} in "
+                        f"{', '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"the triton {kernels} kernels take {name} with a unit last stride, got "
+                         f"shape {tuple(t.shape)} with strides {tuple(t.stride())}")

@@ -418,10 +418,7 @@ def _limits(q, k, v, what=""):
     dims up to 256 and a unit stride on the last dim of q, k and v (``what``: "_cache" for the paged
     caches). Returns the head dims (D, Dv)."""
     for name, x in (("q", q), (f"k{what}", k), (f"v{what}", v)):
-        if x.dtype not in _DTYPES:
-            raise TypeError(f"the triton kernels take float16, bfloat16 or float32, {name} is {x.dtype}")
-        if x.shape[-1] > 1 and x.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit stride on its last dim, got {x.stride()}")
+        tuning.check_layout("packed/paged attention", name, x, _DTYPES)
     D, Dv = q.shape[-1], v.shape[-1]
     if max(D, Dv) > _MAX_HEAD_DIM:
         raise ValueError(f"the triton kernels take head dims up to {_MAX_HEAD_DIM}, got {D} and {Dv}")

@@ -299,7 +299,7 @@ def test_kernel_limits():
 
     x = torch.randn(2, 3, 4, 8)
     cos, sin = rotary_cos_sin(4, 8)
-    with pytest.raises(TypeError, match="takes x in"):
+    with pytest.raises(TypeError, match="rope kernels take x in"):
         rope_fwd(x.double(), cos, sin, None, False, False)
     with pytest.raises(ValueError, match="unit last stride"):
         rope_fwd(torch.randn(2, 3, 4, 16)[..., ::2], cos, sin, None, False, False)

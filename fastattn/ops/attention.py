@@ -29,7 +29,7 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_kernels,
+    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -528,10 +528,7 @@ def _check_op(q, k, v, mask, dropout_p, **like):
     (B, H, Lq, Lk)), plus each ``name=(tensor, shape, dtype)`` of ``like`` (dO, O, lse, tangents)
     on q's device. The kernels' launchers check only their own limits."""
     _validate(q, k, v, mask, dropout_p, True, False, None)
-    for name, (t, shape, dtype) in like.items():
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != q.device:
-            raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {q.device}, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    check_like(q.device, **like)
 
 
 def attention(

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import define_op, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import check_like, define_op, last_dim_contiguous, triton_kernels
 from fastattn.ops.attention import _CAUSAL, _DTYPES, _naive as _naive_attention
 
 _DROPOUT_STREAM = 0x9E3779B9
@@ -144,12 +144,9 @@ def _triton_bwd(
     scale: float, bottom_right: bool, left: int, right: int, dropout_p: float, seed: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, max_seqlen_q, max_seqlen_k)
-    for name, t, shape, dtype in (("dout", dout, (*q.shape[:2], v.shape[-1]), q.dtype),
-                                  ("out", out, (*q.shape[:2], v.shape[-1]), q.dtype),
-                                  ("lse", lse, q.shape[1::-1], torch.float32)):
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != q.device:
-            raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {q.device}, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    rows = (*q.shape[:2], v.shape[-1])
+    check_like(q.device, dout=(dout, rows, q.dtype), out=(out, rows, q.dtype),
+               lse=(lse, q.shape[1::-1], torch.float32))
     return _kernels.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, scale, bottom_right, left,
                                     right, dropout_p, seed)
