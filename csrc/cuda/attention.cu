@@ -212,6 +212,94 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[N][4
   a[3] = M16::pack(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
+// c0 / c1 += a * B for the two n-tiles of a B read from the 16 x 16 block of X at rows r0,
+// columns c0: B = X^T when XT (B[k][n] = X[r0 + n][c0 + k]; ldsm_b), else B = X
+// (B[k][n] = X[r0 + k][c0 + n]; ldsm_bt).
+template <typename M16, int DP, bool XT>
+__device__ __forceinline__ void mma_block(float (&acc0)[4], float (&acc1)[4],
+                                          const uint32_t (&a)[4], const uint16_t* tile, int r0,
+                                          int c0, int lane) {
+  uint32_t b[4];
+  if constexpr (XT) {
+    ldsm_b<DP>(b, tile, r0, c0, lane);
+  } else {
+    ldsm_bt<DP>(b, tile, r0, c0, lane);
+  }
+  M16::mma(acc0, a, b[0], b[1]);
+  M16::mma(acc1, a, b[2], b[3]);
+}
+// One 16-deep step of C = A X^T over N rows of X: c[0 .. N / 8) += a * X[0 .. N, k0 .. k0 + 16)^T.
+template <typename M16, int DP, int N>
+__device__ __forceinline__ void mma_xt_step(float (&c)[N / 8][4], const uint32_t (&a)[4],
+                                            const uint16_t* tile, int k0, int lane) {
+#pragma unroll
+  for (int np = 0; np < N / 16; ++np) {
+    mma_block<M16, DP, true>(c[2 * np], c[2 * np + 1], a, tile, np * 16, k0, lane);
+  }
+}
+// The two products of a backward kernel, for this warp's 16 rows (from wrow) of A1 and A2 and
+// N rows of X1 and X2: c1 += A1 X1^T and c2 += A2 X2^T, k-step by k-step.
+template <typename M16, int DP, int N>
+__device__ __forceinline__ void mma_two_xt(float (&c1)[N / 8][4], const uint16_t* a1,
+                                           const uint16_t* x1, float (&c2)[N / 8][4],
+                                           const uint16_t* a2, const uint16_t* x2, int wrow,
+                                           int lane) {
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    uint32_t a[4];
+    ldsm_a<DP>(a, a1, wrow, kk * 16, lane);
+    mma_xt_step<M16, DP, N>(c1, a, x1, kk * 16, lane);
+    ldsm_a<DP>(a, a2, wrow, kk * 16, lane);
+    mma_xt_step<M16, DP, N>(c2, a, x2, kk * 16, lane);
+  }
+}
+
+// This lane's place in a CTA of 16-row warps: t = lane % 4 (the column pair of its accumulator
+// elements), wrow = the warp's first tile row, row[0] / row[1] = the tile rows it holds.
+struct WarpRows {
+  int lane, t, wrow, row[2];
+};
+__device__ __forceinline__ WarpRows warp_rows() {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int wrow = warp * 16;
+  return {lane, lane & 3, wrow, {wrow + (lane >> 2), wrow + (lane >> 2) + 8}};
+}
+
+// A 1-D grid over (blocks of ROWS rows of a length `len`) x (batch x `heads`), the block index
+// fastest: this CTA's block and its (batch, head).
+struct GridBlock {
+  int blk;
+  int64_t bh;  // batch * heads + head
+  int b, h;
+};
+__device__ __forceinline__ GridBlock grid_block(int len, int rows, int heads) {
+  const int num = (len + rows - 1) / rows;
+  const int64_t bh = blockIdx.x / num;
+  return {static_cast<int>(blockIdx.x % num), bh, static_cast<int>(bh / heads),
+          static_cast<int>(bh % heads)};
+}
+
+// A visible score in log2 units: scale * s * log2(e) plus the user mask's term at `mask_off`.
+__device__ __forceinline__ float score_log2(const AttnParams& p, float s, int64_t mask_off) {
+  float v = s * p.scale_log2;
+  if (p.mask_kind != MaskKind::kNone) {
+    v += mask_additive(p.mask, p.mask_kind, mask_off) * kLog2e;
+  }
+  return v;
+}
+
+// The dropout factor Z of key j in the row with dropout_row_base `rng_row`: 1 / (1 - p) where
+// kept, 0 where dropped; 1 without dropout.
+__device__ __forceinline__ float dropout_scale(const AttnParams& p, uint32_t stream,
+                                               uint32_t rng_row, int j) {
+  float z = 1.f;
+  if (p.dropout) {
+    const bool keep = dropout_bits(stream, rng_row, static_cast<uint32_t>(j)) >= p.threshold;
+    z = keep ? p.rcp_keep : 0.f;
+  }
+  return z;
+}
+
 // Whether key j is visible to query i (bounds and band); the caller adds the user mask.
 __device__ __forceinline__ bool visible(const AttnParams& p, int i, int j) {
   return i < p.Lq && j < p.Lk && j >= i + p.band_lo && j <= i + p.band_hi;
@@ -238,6 +326,18 @@ __device__ __forceinline__ void query_range(const AttnParams& p, int n0, int row
   const int n_last = min(n0 + rows, p.Lk) - 1;
   i_begin = max(0, n0 - p.band_hi);
   i_end = min(p.Lq, n_last - p.band_lo + 1);
+}
+
+// The BN-key tiles that queries [m0, m0 + rows) may see: `num` tiles from key `first` on (tiles
+// entirely outside the band are skipped).
+struct KeyTiles {
+  int first, num;
+};
+__device__ __forceinline__ KeyTiles key_tiles(const AttnParams& p, int m0, int rows, int bn) {
+  int n_begin, n_end;
+  key_range(p, m0, rows, n_begin, n_end);
+  const int first = (n_begin / bn) * bn;
+  return {first, n_begin < n_end ? (n_end - first + bn - 1) / bn : 0};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,8 +371,8 @@ template <int DP_, int BM_, int BN_>
 struct BwdQCfg {
   static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
   static constexpr int STAGES = 2;  // K / V double buffer, as in the forward
-  static constexpr int Q_ELEMS = BM * DP, K_ELEMS = BN * DP, ACC_ELEMS = BM * AccTile<DP>::LD;
-  static constexpr int SMEM = (2 * Q_ELEMS + STAGES * 2 * K_ELEMS) * 2 + ACC_ELEMS * 4;
+  static constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP, ACC_ELEMS = BM * AccTile<DP>::LD;
+  static constexpr int SMEM = (2 * Q_ELEMS + STAGES * 2 * KV_ELEMS) * 2 + ACC_ELEMS * 4;
   static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
   static_assert(SMEM <= kSm80SmemOptin, "dQ tile does not fit in sm_80 shared memory");
 };
@@ -307,48 +407,78 @@ struct Configs<256> {
 };
 
 // ---------------------------------------------------------------------------------------------
+// The key-tile walk of the forward and the dQ kernel: K and V tiles of Cfg::KV_ELEMS elements,
+// double-buffered in sKV (stage s: K at sKV + 2 s KV_ELEMS, V right after it).
+
+// Issues the cp.async of the K and V tiles of keys [n0, n0 + BN) into `stage` (not committed).
+template <typename Cfg>
+__device__ __forceinline__ void load_kv_async(uint16_t* sKV, int stage, const AttnParams& p,
+                                              const uint16_t* k_base, const uint16_t* v_base,
+                                              int n0) {
+  uint16_t* sK = sKV + stage * 2 * Cfg::KV_ELEMS;
+  load_tile_async<Cfg::BN, Cfg::DP, Cfg::NTHREADS>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+  load_tile_async<Cfg::BN, Cfg::DP, Cfg::NTHREADS>(sK + Cfg::KV_ELEMS, v_base, p.v_sl, n0, p.Lk,
+                                                   p.Dv, p.vec_v);
+}
+
+// Calls body(n0, sK, sV) for each tile of `tiles`, tile 0 already issued and committed by the
+// caller as its last group. Per tile: prefetch tile it + 1 into the other stage (its last
+// reader, tile it - 1, passed the barrier that ends iteration it - 1), wait for tile it (this
+// thread's copies, then every thread's: barrier), body, barrier (tile it's stage is no longer
+// read). The caller waits for the last (empty) group before the CTA exits.
+template <typename Cfg, typename Body>
+__device__ __forceinline__ void for_each_key_tile(const AttnParams& p, const KeyTiles& tiles,
+                                                  uint16_t* sKV, const uint16_t* k_base,
+                                                  const uint16_t* v_base, Body&& body) {
+  for (int it = 0; it < tiles.num; ++it) {
+    const int n0 = tiles.first + it * Cfg::BN;
+    if (it + 1 < tiles.num) load_kv_async<Cfg>(sKV, (it + 1) & 1, p, k_base, v_base, n0 + Cfg::BN);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the prefetch: tile it has landed (this thread's part)
+    __syncthreads();     // ... in every thread
+    const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::KV_ELEMS;
+    body(n0, sK, sK + Cfg::KV_ELEMS);
+    __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
+  }
+}
+
+// The opening of the three tile kernels (template <typename T, typename Cfg, int SMEM_BYTES>):
+// the symbol's shared memory checked against the launch's, the operand type, the tile shapes
+// and the dynamic shared memory.
+#define FASTATTN_ATTN_TILE_KERNEL_SETUP()                                                      \
+  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");  \
+  using M16 = Mma16<T>;                                                                      \
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;                \
+  extern __shared__ __align__(16) unsigned char smem_raw[]
+
+// ---------------------------------------------------------------------------------------------
 // Forward. SMEM_BYTES == Cfg::SMEM: it is a template argument so that the symbol carries the
 // dynamic shared memory the launch asks for (the compile gate reports it).
 
 template <typename T, typename Cfg, int SMEM_BYTES>
 __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnParams p) {
-  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
-  using M16 = Mma16<T>;
-  using L = Swizzled<Cfg::DP>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FASTATTN_ATTN_TILE_KERNEL_SETUP();
+  using L = Swizzled<DP>;
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sKV = sQ + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
 
-  const int num_qb = (p.Lq + BM - 1) / BM;
-  const int qb = static_cast<int>(blockIdx.x % num_qb);
-  const int64_t bh = blockIdx.x / num_qb;
-  const int b = static_cast<int>(bh / p.H), h = static_cast<int>(bh % p.H);
-  const int hk = h / p.group;
-  const int m0 = qb * BM;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
-  const int wrow = warp * 16;  // this warp's first row in the tile
-  const int r_loc[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};
-  const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
+  const GridBlock blk = grid_block(p.Lq, BM, p.H);
+  const int64_t bh = blk.bh;
+  const int b = blk.b, h = blk.h, hk = h / p.group;
+  const int m0 = blk.blk * BM;
+  const WarpRows w = warp_rows();
+  const int lane = w.lane, t = w.t, wrow = w.wrow;
+  const int i_row[2] = {m0 + w.row[0], m0 + w.row[1]};
 
   const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* v_base = p.v + b * p.v_sb + hk * p.v_sh;
-
-  int n_begin, n_end;
-  key_range(p, m0, BM, n_begin, n_end);
-  const int n_first = (n_begin / BN) * BN;
-  const int num_tiles = n_begin < n_end ? (n_end - n_first + BN - 1) / BN : 0;
-  auto load_kv = [&](int stage, int n0) {
-    uint16_t* sK = sKV + stage * 2 * Cfg::KV_ELEMS;
-    load_tile_async<BN, DP, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
-    load_tile_async<BN, DP, NT>(sK + Cfg::KV_ELEMS, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
-  };
+  const KeyTiles tiles = key_tiles(p, m0, BM, BN);
 
   // Prologue: group 0 = Q, group 1 = key tile 0 (empty when there is none).
   load_tile_async<BM, DP, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
   cp_async_commit();
-  if (num_tiles > 0) load_kv(0, n_first);
+  if (tiles.num > 0) load_kv_async<Cfg>(sKV, 0, p, k_base, v_base, tiles.first);
   cp_async_commit();
   cp_async_wait<1>();  // Q has landed (this thread's part) ...
   __syncthreads();     // ... and every thread's
@@ -372,17 +502,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};  // per-lane partial row sums (reduced over the quad at the end)
 
-  for (int it = 0; it < num_tiles; ++it) {
-    const int n0 = n_first + it * BN;
-    // Prefetch tile it + 1 into the other buffer: its last reader (tile it - 1) passed the
-    // barrier at the end of the previous iteration.
-    if (it + 1 < num_tiles) load_kv((it + 1) & 1, n0 + BN);
-    cp_async_commit();
-    cp_async_wait<1>();  // everything but the prefetch: tile it has landed (this thread's part)
-    __syncthreads();     // ... in every thread
-    const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::KV_ELEMS;
-    const uint16_t* sV = sK + Cfg::KV_ELEMS;
-
+  for_each_key_tile<Cfg>(p, tiles, sKV, k_base, v_base, [&](int n0, const uint16_t* sK,
+                                                            const uint16_t* sV) {
     // S = Q K^T for this warp's 16 rows x BN keys.
     float s[BN / 8][4] = {};
 #pragma unroll
@@ -394,13 +515,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
       } else {
         ldsm_a<DP>(a, sQ, wrow, kk * 16, lane);
       }
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t bk[4];
-        ldsm_b<DP>(bk, sK, np * 16, kk * 16, lane);
-        M16::mma(s[2 * np], a, bk[0], bk[1]);
-        M16::mma(s[2 * np + 1], a, bk[2], bk[3]);
-      }
+      mma_xt_step<M16, DP, BN>(s, a, sK, kk * 16, lane);
     }
 
     // Scores in log2 units, -inf where not visible; the tile's row maxima.
@@ -421,13 +536,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
           const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          float v = -INFINITY;
-          if (visible(p, i_row[r], j)) {
-            v = s[nt][e] * p.scale_log2;
-            if (p.mask_kind != MaskKind::kNone) {
-              v += mask_additive(p.mask, p.mask_kind, mask_row[r] + int64_t{j} * p.m_sk) * kLog2e;
-            }
-          }
+          const float v = visible(p, i_row[r], j)
+                              ? score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk)
+                              : -INFINITY;
           s[nt][e] = v;
           mx[r] = fmaxf(mx[r], v);
         }
@@ -471,14 +582,10 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
       acc_to_a<M16>(a, s, ks);
 #pragma unroll
       for (int dp = 0; dp < DP / 16; ++dp) {
-        uint32_t bv[4];
-        ldsm_bt<DP>(bv, sV, ks * 16, dp * 16, lane);
-        M16::mma(o[2 * dp], a, bv[0], bv[1]);
-        M16::mma(o[2 * dp + 1], a, bv[2], bv[3]);
+        mma_block<M16, DP, false>(o[2 * dp], o[2 * dp + 1], a, sV, ks * 16, dp * 16, lane);
       }
     }
-    __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
-  }
+  });
   cp_async_wait<0>();  // nothing may land after the CTA exits (the last group is empty anyway)
 
   // Epilogue: normalize; stage O (16-bit) in this warp's own 16 rows of the Q tile (no other
@@ -498,7 +605,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      *reinterpret_cast<uint32_t*>(sQ + L::offset(r_loc[r], dt * 8 + 2 * t)) =
+      *reinterpret_cast<uint32_t*>(sQ + L::offset(w.row[r], dt * 8 + 2 * t)) =
           M16::pack(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
     }
   }
@@ -513,10 +620,10 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
     if (vec_out) {
       *reinterpret_cast<uint4*>(dst) = v;
     } else {
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        if (col + e < p.Dv) dst[e] = static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)));
+        if (col + e < p.Dv) dst[e] = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
       }
     }
   }
@@ -558,11 +665,8 @@ __device__ __forceinline__ void acc_add2(float* acc, int row, int col, float x, 
 
 template <typename T, typename Cfg, int SMEM_BYTES>
 __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const AttnParams p) {
-  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
-  using M16 = Mma16<T>;
-  using A = AccTile<Cfg::DP>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FASTATTN_ATTN_TILE_KERNEL_SETUP();
+  using A = AccTile<DP>;
   uint16_t* sK = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sV = sK + Cfg::K_ELEMS;
   uint16_t* sQ = sV + Cfg::K_ELEMS;
@@ -572,6 +676,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   float* sLse = sdV + Cfg::ACC_ELEMS;  // BM: lse * log2(e) of the current query block
   float* sDelta = sLse + BM;           // BM
 
+  // Decoded here rather than by grid_block() / warp_rows(): with those, ptxas gives the DP = 256
+  // variant 2 more registers (146, against 144; fastattn/aot/cuda.py).
   const int num_kb = (p.Lk + BN - 1) / BN;
   const int kb = static_cast<int>(blockIdx.x % num_kb);
   const int64_t bhk = blockIdx.x / num_kb;
@@ -615,26 +721,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
         // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
         float st[BM / 8][4] = {};
         float dpt[BM / 8][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) {
-          uint32_t a[4];
-          ldsm_a<DP>(a, sK, wrow, kk * 16, lane);
-#pragma unroll
-          for (int np = 0; np < BM / 16; ++np) {
-            uint32_t bq[4];
-            ldsm_b<DP>(bq, sQ, np * 16, kk * 16, lane);
-            M16::mma(st[2 * np], a, bq[0], bq[1]);
-            M16::mma(st[2 * np + 1], a, bq[2], bq[3]);
-          }
-          ldsm_a<DP>(a, sV, wrow, kk * 16, lane);
-#pragma unroll
-          for (int np = 0; np < BM / 16; ++np) {
-            uint32_t bo[4];
-            ldsm_b<DP>(bo, sdO, np * 16, kk * 16, lane);
-            M16::mma(dpt[2 * np], a, bo[0], bo[1]);
-            M16::mma(dpt[2 * np + 1], a, bo[2], bo[3]);
-          }
-        }
+        mma_two_xt<M16, DP, BM>(st, sK, sQ, dpt, sV, sdO, wrow, lane);
         // st <- P^T * Z (operand of dV), dpt <- dS^T (operand of dK).
 #pragma unroll
         for (int nt = 0; nt < BM / 8; ++nt) {
@@ -646,18 +733,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
             const float lse2 = sLse[qc];
             float pz = 0.f, ds = 0.f;
             if (visible(p, i, j) && lse2 != -INFINITY) {
-              float v = st[nt][e] * p.scale_log2;
-              if (p.mask_kind != MaskKind::kNone) {
-                v += mask_additive(p.mask, p.mask_kind,
-                                   mask_base + int64_t{i} * p.m_sl + int64_t{j} * p.m_sk) * kLog2e;
-              }
-              const float pr = exp2f(v - lse2);
-              float z = 1.f;
-              if (p.dropout) {
-                const bool keep = dropout_bits(stream, dropout_row_base(i, p.Lk),
-                                               static_cast<uint32_t>(j)) >= p.threshold;
-                z = keep ? p.rcp_keep : 0.f;
-              }
+              const int64_t mask_off = mask_base + int64_t{i} * p.m_sl + int64_t{j} * p.m_sk;
+              const float pr = exp2f(score_log2(p, st[nt][e], mask_off) - lse2);
+              const float z = dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
               pz = pr * z;
               ds = pr * (dpt[nt][e] * z - sDelta[qc]);
             }
@@ -679,26 +757,18 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
           if constexpr (Cfg::ACC_IN_REGS) {
 #pragma unroll
             for (int ks = 0; ks < BM / 16; ++ks) {
-              uint32_t bb[4];
-              ldsm_bt<DP>(bb, sdO, ks * 16, dp * 16, lane);
-              M16::mma(acc_dv[2 * dp], a_p[ks], bb[0], bb[1]);
-              M16::mma(acc_dv[2 * dp + 1], a_p[ks], bb[2], bb[3]);
-              ldsm_bt<DP>(bb, sQ, ks * 16, dp * 16, lane);
-              M16::mma(acc_dk[2 * dp], a_ds[ks], bb[0], bb[1]);
-              M16::mma(acc_dk[2 * dp + 1], a_ds[ks], bb[2], bb[3]);
+              mma_block<M16, DP, false>(acc_dv[2 * dp], acc_dv[2 * dp + 1], a_p[ks], sdO, ks * 16,
+                                        dp * 16, lane);
+              mma_block<M16, DP, false>(acc_dk[2 * dp], acc_dk[2 * dp + 1], a_ds[ks], sQ, ks * 16,
+                                        dp * 16, lane);
             }
             continue;
           }
           float cv[2][4] = {}, ck[2][4] = {};
 #pragma unroll
           for (int ks = 0; ks < BM / 16; ++ks) {
-            uint32_t bb[4];
-            ldsm_bt<DP>(bb, sdO, ks * 16, dp * 16, lane);
-            M16::mma(cv[0], a_p[ks], bb[0], bb[1]);
-            M16::mma(cv[1], a_p[ks], bb[2], bb[3]);
-            ldsm_bt<DP>(bb, sQ, ks * 16, dp * 16, lane);
-            M16::mma(ck[0], a_ds[ks], bb[0], bb[1]);
-            M16::mma(ck[1], a_ds[ks], bb[2], bb[3]);
+            mma_block<M16, DP, false>(cv[0], cv[1], a_p[ks], sdO, ks * 16, dp * 16, lane);
+            mma_block<M16, DP, false>(ck[0], ck[1], a_ds[ks], sQ, ks * 16, dp * 16, lane);
           }
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
@@ -749,26 +819,20 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
 
 template <typename T, typename Cfg, int SMEM_BYTES>
 __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const AttnParams p) {
-  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
-  using M16 = Mma16<T>;
-  using A = AccTile<Cfg::DP>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FASTATTN_ATTN_TILE_KERNEL_SETUP();
+  using A = AccTile<DP>;
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sdO = sQ + Cfg::Q_ELEMS;
-  uint16_t* sKV = sdO + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s K_ELEMS, V right after it
-  float* sdQ = reinterpret_cast<float*>(sKV + Cfg::STAGES * 2 * Cfg::K_ELEMS);
+  uint16_t* sKV = sdO + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
+  float* sdQ = reinterpret_cast<float*>(sKV + Cfg::STAGES * 2 * Cfg::KV_ELEMS);
 
-  const int num_qb = (p.Lq + BM - 1) / BM;
-  const int qb = static_cast<int>(blockIdx.x % num_qb);
-  const int64_t bh = blockIdx.x / num_qb;
-  const int b = static_cast<int>(bh / p.H), h = static_cast<int>(bh % p.H);
-  const int hk = h / p.group;
-  const int m0 = qb * BM;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
-  const int wrow = warp * 16;
-  const int r_loc[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};
-  const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
+  const GridBlock blk = grid_block(p.Lq, BM, p.H);
+  const int64_t bh = blk.bh;
+  const int b = blk.b, h = blk.h, hk = h / p.group;
+  const int m0 = blk.blk * BM;
+  const WarpRows w = warp_rows();
+  const int lane = w.lane, t = w.t, wrow = w.wrow;
+  const int i_row[2] = {m0 + w.row[0], m0 + w.row[1]};
 
   load_tile_async<BM, DP, NT>(sQ, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
   load_tile_async<BM, DP, NT>(sdO, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0, p.Lq, p.Dv,
@@ -792,102 +856,52 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const Att
   const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
   float* dmask_rows = p.dmask != nullptr ? p.dmask + bh * p.Lq * p.Lk : nullptr;
 
-  int n_begin, n_end;
-  key_range(p, m0, BM, n_begin, n_end);
-  const int n_first = (n_begin / BN) * BN;
-  const int num_tiles = n_begin < n_end ? (n_end - n_first + BN - 1) / BN : 0;
-  auto load_kv = [&](int stage, int n0) {
-    uint16_t* sK = sKV + stage * 2 * Cfg::K_ELEMS;
-    load_tile_async<BN, DP, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
-    load_tile_async<BN, DP, NT>(sK + Cfg::K_ELEMS, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
-  };
   // Groups: Q / dO (committed above), then key tile 0 (empty when there is none).
-  if (num_tiles > 0) load_kv(0, n_first);
+  const KeyTiles tiles = key_tiles(p, m0, BM, BN);
+  if (tiles.num > 0) load_kv_async<Cfg>(sKV, 0, p, k_base, v_base, tiles.first);
   cp_async_commit();
-  if (num_tiles > 0) {
-    for (int it = 0; it < num_tiles; ++it) {
-      const int n0 = n_first + it * BN;
-      // Prefetch tile it + 1 into the other buffer (its last reader, tile it - 1, passed the
-      // barrier at the end of the previous iteration).
-      if (it + 1 < num_tiles) load_kv((it + 1) & 1, n0 + BN);
-      cp_async_commit();
-      cp_async_wait<1>();  // all but the prefetch: Q / dO and tile it landed (this thread's part)
-      __syncthreads();     // ... in every thread (and, the first time, sdQ's zero fill is done)
-      const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::K_ELEMS;
-      const uint16_t* sV = sK + Cfg::K_ELEMS;
-
-      float s[BN / 8][4] = {};
-      float dp[BN / 8][4] = {};
+  // The first wait also covers Q / dO, and its barrier sdQ's zero fill.
+  for_each_key_tile<Cfg>(p, tiles, sKV, k_base, v_base, [&](int n0, const uint16_t* sK,
+                                                            const uint16_t* sV) {
+    float s[BN / 8][4] = {};
+    float dp[BN / 8][4] = {};
+    mma_two_xt<M16, DP, BN>(s, sQ, sK, dp, sdO, sV, wrow, lane);
+    // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile.
 #pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_a<DP>(a, sQ, wrow, kk * 16, lane);
+    for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int np = 0; np < BN / 16; ++np) {
-          uint32_t bk[4];
-          ldsm_b<DP>(bk, sK, np * 16, kk * 16, lane);
-          M16::mma(s[2 * np], a, bk[0], bk[1]);
-          M16::mma(s[2 * np + 1], a, bk[2], bk[3]);
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int i = i_row[r];
+        const int j = n0 + nt * 8 + 2 * t + (e & 1);
+        float ds = 0.f;
+        if (visible(p, i, j) && lse2[r] != -INFINITY) {
+          const float pr = exp2f(score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk) - lse2[r]);
+          ds = pr * (dp[nt][e] * dropout_scale(p, stream, rng_row[r], j) - delta[r]);
         }
-        ldsm_a<DP>(a, sdO, wrow, kk * 16, lane);
-#pragma unroll
-        for (int np = 0; np < BN / 16; ++np) {
-          uint32_t bv[4];
-          ldsm_b<DP>(bv, sV, np * 16, kk * 16, lane);
-          M16::mma(dp[2 * np], a, bv[0], bv[1]);
-          M16::mma(dp[2 * np + 1], a, bv[2], bv[3]);
-        }
+        if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
+        s[nt][e] = ds;
       }
-      // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile.
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          const int i = i_row[r];
-          const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          float ds = 0.f;
-          if (visible(p, i, j) && lse2[r] != -INFINITY) {
-            float v = s[nt][e] * p.scale_log2;
-            if (p.mask_kind != MaskKind::kNone) {
-              v += mask_additive(p.mask, p.mask_kind, mask_row[r] + int64_t{j} * p.m_sk) * kLog2e;
-            }
-            const float pr = exp2f(v - lse2[r]);
-            float z = 1.f;
-            if (p.dropout) {
-              const bool keep = dropout_bits(stream, rng_row[r], static_cast<uint32_t>(j)) >= p.threshold;
-              z = keep ? p.rcp_keep : 0.f;
-            }
-            ds = pr * (dp[nt][e] * z - delta[r]);
-          }
-          if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
-          s[nt][e] = ds;
-        }
-      }
-      // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
-      uint32_t a_ds[BN / 16][4];
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) acc_to_a<M16>(a_ds[ks], s, ks);
-#pragma unroll
-      for (int dq = 0; dq < DP / 16; ++dq) {
-        float c[2][4] = {};
-#pragma unroll
-        for (int ks = 0; ks < BN / 16; ++ks) {
-          uint32_t bk[4];
-          ldsm_bt<DP>(bk, sK, ks * 16, dq * 16, lane);
-          M16::mma(c[0], a_ds[ks], bk[0], bk[1]);
-          M16::mma(c[1], a_ds[ks], bk[2], bk[3]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int col = dq * 16 + nt * 8 + 2 * t;
-#pragma unroll
-          for (int r = 0; r < 2; ++r) acc_add2<DP>(sdQ, r_loc[r], col, c[nt][2 * r], c[nt][2 * r + 1]);
-        }
-      }
-      __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
     }
-  }
+    // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
+    uint32_t a_ds[BN / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) acc_to_a<M16>(a_ds[ks], s, ks);
+#pragma unroll
+    for (int dq = 0; dq < DP / 16; ++dq) {
+      float c[2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        mma_block<M16, DP, false>(c[0], c[1], a_ds[ks], sK, ks * 16, dq * 16, lane);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = dq * 16 + nt * 8 + 2 * t;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) acc_add2<DP>(sdQ, w.row[r], col, c[nt][2 * r], c[nt][2 * r + 1]);
+      }
+    }
+  });
   cp_async_wait<0>();  // nothing may land after the CTA exits
   __syncthreads();     // every lane's dQ accumulators (or the zero fill) complete
   uint16_t* dq = p.dq + bh * p.Lq * p.D;
@@ -1032,12 +1046,27 @@ void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
          device, stream, "attention_bwd (dQ)");
 }
 
-template <typename Fn>
-void with_dtype(at::ScalarType dt, Fn&& fn) {
-  if (dt == at::kHalf) {
-    fn(c10::Half{});
+// Runs the forward (kBwd false) or backward kernels of p on q's device and current stream, for
+// q's dtype and the head-dim bucket of max(D, Dv).
+template <bool kBwd>
+void run(const AttnParams& p, const at::Tensor& q) {
+  const int device = q.device().index();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  auto with_bucket = [&](auto tag) {
+    using T = decltype(tag);
+    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
+      constexpr int DP = decltype(dp_const)::value;
+      if constexpr (kBwd) {
+        run_bwd<T, DP>(p, device, stream);
+      } else {
+        run_fwd<T, DP>(p, device, stream);
+      }
+    });
+  };
+  if (q.scalar_type() == at::kHalf) {
+    with_bucket(c10::Half{});
   } else {
-    fn(c10::BFloat16{});
+    with_bucket(c10::BFloat16{});
   }
 }
 
@@ -1054,14 +1083,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
   if (lse.numel() == 0) return {out, lse};
   p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   p.lse = lse.data_ptr<float>();
-  const int device = q.device().index();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  with_dtype(q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
-      run_fwd<T, decltype(dp_const)::value>(p, device, stream);
-    });
-  });
+  run</*kBwd=*/false>(p, q);
   return {out, lse};
 }
 
@@ -1103,23 +1125,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   p.dk = reinterpret_cast<uint16_t*>(dk.data_ptr());
   p.dv = reinterpret_cast<uint16_t*>(dv.data_ptr());
   p.dmask = need_dmask && dmask.numel() > 0 ? dmask.data_ptr<float>() : nullptr;
-  const int device = q.device().index();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  with_dtype(q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
-      run_bwd<T, decltype(dp_const)::value>(p, device, stream);
-    });
-  });
+  run</*kBwd=*/true>(p, q);
   return {dq, dk, dv, dmask};
 }
 
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("attention_fwd", &cuda::attention_fwd_cuda);
-  m.impl("attention_bwd", &cuda::attention_bwd_cuda);
-}
+FASTATTN_CUDA_IMPL_FWD_BWD(attention)
 
 }  // namespace fastattn
