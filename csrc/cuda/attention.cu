@@ -70,6 +70,17 @@
 // forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp). Every shared and global
 // access is bounds-checked or covered by a static_assert on the tile shapes.
 //
+// NaN rule (docs/numerics.md): a non-finite value a row attends reaches it as IEEE arithmetic
+// says; one held only at pairs the row does not attend never does. The tile loops above do not
+// hold it alone (a bool False is *added* as -inf, NaN + -inf = NaN; the masked-out zeros of P and
+// dS meet NaN rows of V, dO, K, Q in the mma products; fmaxf drops a NaN). Every such leak, and
+// every attended NaN, leaves a NaN in what the warp (forward) or CTA (dK/dV, dQ) computed, so
+// each checks that once (a sum of its accumulators / outputs, then one vote) and, only if it is
+// NaN, recomputes its rows (keys) on a careful scalar path over the attended pairs only (see
+// "The NaN rule" below). Inputs without NaN pay one add per output element and the vote.
+// UNVERIFIED ON A GPU: the careful paths compile (make check-cuda) but no GPU has run them yet;
+// tests/test_nan.py's cuda cases are the check.
+//
 // Limits: Lq, Lk <= 2^29; head dims <= 256; H a multiple of Hkv; q / k / v / dout with a unit
 // last stride (any other strides; 16-byte cp.async when the base and strides allow it, element
 // loads otherwise); lse contiguous float32. Offsets are int64.
@@ -279,6 +290,21 @@ __device__ __forceinline__ GridBlock grid_block(int len, int rows, int heads) {
           static_cast<int>(bh % heads)};
 }
 
+// A query-block CTA (forward, dQ): its (b, h), kv head hk and first query m0, this lane's place
+// w, and the queries i_row[] of the tile rows w.row[] it holds.
+struct QueryCta {
+  int64_t bh;
+  int b, h, hk, m0;
+  WarpRows w;
+  int i_row[2];
+};
+__device__ __forceinline__ QueryCta query_cta(const AttnParams& p, int bm) {
+  const GridBlock blk = grid_block(p.Lq, bm, p.H);
+  const WarpRows w = warp_rows();
+  const int m0 = blk.blk * bm;
+  return {blk.bh, blk.b, blk.h, blk.h / p.group, m0, w, {m0 + w.row[0], m0 + w.row[1]}};
+}
+
 // A visible score in log2 units: scale * s * log2(e) plus the user mask's term at `mask_off`.
 __device__ __forceinline__ float score_log2(const AttnParams& p, float s, int64_t mask_off) {
   float v = s * p.scale_log2;
@@ -367,9 +393,10 @@ struct BwdKVCfg {
   static_assert(SMEM <= kSm80SmemOptin, "dK/dV tile does not fit in sm_80 shared memory");
 };
 
-template <int DP_, int BM_, int BN_>
+template <int DP_, int BM_, int BN_, int MIN_CTAS_ = 1>
 struct BwdQCfg {
   static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
+  static constexpr int MIN_CTAS = MIN_CTAS_;  // __launch_bounds__' CTAs per SM (see Configs)
   static constexpr int STAGES = 2;  // K / V double buffer, as in the forward
   static constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP, ACC_ELEMS = BM * AccTile<DP>::LD;
   static constexpr int SMEM = (2 * Q_ELEMS + STAGES * 2 * KV_ELEMS) * 2 + ACC_ELEMS * 4;
@@ -382,16 +409,19 @@ struct BwdQCfg {
 //   64   128 x 64, 8 warps, Q in regs     64 x 64, 4 warps, dK/dV regs   64 x 64, 4 warps
 //   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps, dK/dV regs   64 x 64, 4 warps
 //   256   64 x 32, 4 warps, Q in smem     32 x 32, 2 warps, dK/dV smem   32 x 32, 2 warps
-// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 151 / 211 / 244 per lane, see
+// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 146 / 200 / 240 per lane, see
 // `make check-cuda`) leave one CTA per SM: 8 / 8 / 4 warps. Registers decide DP = 256: O alone is
-// 128 floats per lane, so Q stays in shared memory there.
+// 128 floats per lane, so Q stays in shared memory there. dQ at DP = 64 (66 KiB) fits three CTAs
+// in an sm_90 SM's shared memory; its launch bounds ask for three, which keeps it at <= 168
+// registers (162; without the bound the NaN rule's careful path took it from 168 to 172, and
+// 176 allocated registers leave room for two).
 template <int DP>
 struct Configs;
 template <>
 struct Configs<64> {
   using Fwd = FwdCfg<64, 128, 64, true>;
   using KV = BwdKVCfg<64, 64, 64>;
-  using Q = BwdQCfg<64, 64, 64>;
+  using Q = BwdQCfg<64, 64, 64, 3>;
 };
 template <>
 struct Configs<128> {
@@ -442,6 +472,222 @@ __device__ __forceinline__ void for_each_key_tile(const AttnParams& p, const Key
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The NaN rule (docs/numerics.md): detect, then recompute. The tile loops above run over every
+// pair of a tile, so a non-finite value at a pair a row does not attend can leak into its output:
+// a bool False (or a float -inf) is *added* to the score (NaN + -inf = NaN), and the masked-out
+// zeros of P and dS meet the NaN / inf rows of V, dO, K and Q in the mma products (0 * NaN =
+// NaN). A leak, like an attended NaN, always leaves a NaN in the output of the warp (forward) or
+// CTA (backward), and the fast path's output is right whenever it holds none. So each kernel
+// checks what it writes once and, only when it finds a NaN, recomputes it below: one row (key)
+// at a time per warp, over the attended pairs only (visible, and the user mask not -inf), in
+// float32 scalar arithmetic, the lanes splitting the head dims (feature d = lane + 32 u) and
+// each dot product reduced over the warp. Every product is formed pairwise, so IEEE arithmetic
+// decides what an attended non-finite value gives, exactly as in the reference. Slow (no tensor
+// cores), but only blocks holding a NaN pay for it.
+
+// Whether x is NaN, from its bits (independent of any fast-math assumption).
+__device__ __forceinline__ bool is_nan(float x) {
+  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// max that propagates a NaN (fmaxf drops it).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  return is_nan(a) || is_nan(b) ? NAN : fmaxf(a, b);
+}
+
+// Features d = lane + 32 u < n of the 16-bit row `row` as float32 (0 beyond n).
+template <typename M16, int DP>
+__device__ __forceinline__ void load_row_features(float (&x)[DP / 32], const uint16_t* row, int n,
+                                                  int lane) {
+#pragma unroll
+  for (int u = 0; u < DP / 32; ++u) {
+    const int d = lane + 32 * u;
+    x[u] = d < n ? M16::to_float(row[d]) : 0.f;
+  }
+}
+
+// The warp's dot product of x (features split over the lanes) with the 16-bit row `row`.
+template <typename M16, int DP>
+__device__ __forceinline__ float warp_dot(const float (&x)[DP / 32], const uint16_t* row, int n,
+                                          int lane) {
+  float acc = 0.f;
+#pragma unroll
+  for (int u = 0; u < DP / 32; ++u) {
+    const int d = lane + 32 * u;
+    if (d < n) acc += x[u] * M16::to_float(row[d]);
+  }
+  return warp_sum(acc);
+}
+
+// acc[u] += c * row[d] for the lane's features d < n.
+template <typename M16, int DP>
+__device__ __forceinline__ void axpy_row(float (&acc)[DP / 32], float c, const uint16_t* row,
+                                         int n, int lane) {
+#pragma unroll
+  for (int u = 0; u < DP / 32; ++u) {
+    const int d = lane + 32 * u;
+    if (d < n) acc[u] += c * M16::to_float(row[d]);
+  }
+}
+
+// Whether query i attends key j and, if it does, the score S_ij in log2 units (s): the warp's
+// dot of x (q_i or k_j, split over the lanes) with `row` (the other one), scaled, plus the mask.
+template <typename M16, int DP>
+__device__ __forceinline__ bool attended_score(const AttnParams& p, const float (&x)[DP / 32],
+                                               const uint16_t* row, int i, int j,
+                                               int64_t mask_off, int lane, float& s) {
+  if (!visible(p, i, j)) return false;
+  float mask = 0.f;
+  if (p.mask_kind != MaskKind::kNone) {
+    mask = mask_additive(p.mask, p.mask_kind, mask_off);
+    if (mask == -INFINITY) return false;  // bool False or a float -inf: not attended
+  }
+  s = warp_dot<M16, DP>(x, row, p.D, lane) * p.scale_log2 + mask * kLog2e;
+  return true;
+}
+
+// Query row i of (b, h) on the careful paths: its kv head's K and V, its mask row, its dropout
+// row, q_i (features split over the lanes) and the keys [n_begin, n_end) its band allows.
+template <typename M16, int DP>
+struct CarefulQuery {
+  const uint16_t* k_base;
+  const uint16_t* v_base;
+  int64_t mask_row;
+  uint32_t rng_row;
+  int i, n_begin, n_end;
+  float qd[DP / 32];
+
+  __device__ __forceinline__ CarefulQuery(const AttnParams& p, int b, int h, int i_, int lane)
+      : i(i_) {
+    const int hk = h / p.group;
+    k_base = p.k + b * p.k_sb + hk * p.k_sh;
+    v_base = p.v + b * p.v_sb + hk * p.v_sh;
+    mask_row = b * p.m_sb + h * p.m_sh + int64_t{i} * p.m_sl;
+    rng_row = dropout_row_base(i, p.Lk);
+    load_row_features<M16, DP>(qd, p.q + b * p.q_sb + h * p.q_sh + int64_t{i} * p.q_sl, p.D,
+                               lane);
+    key_range(p, i, 1, n_begin, n_end);
+  }
+  __device__ __forceinline__ const uint16_t* k_row(const AttnParams& p, int j) const {
+    return k_base + int64_t{j} * p.k_sl;
+  }
+  __device__ __forceinline__ const uint16_t* v_row(const AttnParams& p, int j) const {
+    return v_base + int64_t{j} * p.v_sl;
+  }
+  // Whether row i attends key j and, if it does, S_ij in log2 units (s).
+  __device__ __forceinline__ bool score(const AttnParams& p, int j, int lane, float& s) const {
+    return attended_score<M16, DP>(p, qd, k_row(p, j), i, j, mask_row + int64_t{j} * p.m_sk,
+                                   lane, s);
+  }
+};
+
+// Forward, careful: out[i] and lse[i] of query i of (b, h). Two passes over the attended keys:
+// the row max m (NaN if any attended score is NaN; -inf when nothing is attended: a dead row),
+// then l = sum exp2(S - m) and out = sum exp2(S - m) Z v / l. A dead row outputs sum 0 * Z v
+// (0, or NaN from an attended non-finite v) and lse -inf.
+template <typename M16, int DP>
+__device__ void fwd_row_careful(const AttnParams& p, int64_t bh, int b, int h, int i,
+                                uint32_t stream, int lane) {
+  constexpr int U = DP / 32;
+  const CarefulQuery<M16, DP> row(p, b, h, i, lane);
+  float m = -INFINITY, s;
+  for (int j = row.n_begin; j < row.n_end; ++j) {
+    if (row.score(p, j, lane, s)) m = max_nan(m, s);
+  }
+  const bool dead = m == -INFINITY;
+  const float m_safe = dead ? 0.f : m;
+  float l = 0.f, acc[U] = {};
+  for (int j = row.n_begin; j < row.n_end; ++j) {
+    if (row.score(p, j, lane, s)) {
+      const float e = exp2f(s - m_safe);  // 0 in a dead row
+      l += e;
+      axpy_row<M16, DP>(acc, e * dropout_scale(p, stream, row.rng_row, j), row.v_row(p, j), p.Dv,
+                        lane);
+    }
+  }
+  uint16_t* out = p.out + (bh * p.Lq + i) * p.Dv;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int d = lane + 32 * u;
+    if (d < p.Dv) out[d] = M16::from_float(dead ? acc[u] : acc[u] / l);
+  }
+  if (lane == 0) p.lse[bh * p.Lq + i] = dead ? -INFINITY : (m + log2f(l)) * kLn2;
+}
+
+// dQ, careful: dq[i] of query i of (b, h), and the dmask entries of its visible keys (dS where
+// attended, 0 elsewhere). A row with lse = -inf attends nothing: dq 0.
+template <typename M16, int DP>
+__device__ void dq_row_careful(const AttnParams& p, int64_t bh, int b, int h, int i,
+                               uint32_t stream, int lane) {
+  constexpr int U = DP / 32;
+  const CarefulQuery<M16, DP> row(p, b, h, i, lane);
+  const float lse2 = p.lse_in[bh * p.Lq + i] * kLog2e;
+  const float delta = p.delta[bh * p.Lq + i];
+  float dod[U], acc[U] = {};
+  load_row_features<M16, DP>(dod, p.dout + b * p.do_sb + h * p.do_sh + int64_t{i} * p.do_sl,
+                             p.Dv, lane);
+  float* dmask_row = p.dmask != nullptr ? p.dmask + (bh * p.Lq + i) * p.Lk : nullptr;
+  for (int j = row.n_begin; j < row.n_end && lse2 != -INFINITY; ++j) {
+    float s, ds = 0.f;
+    if (row.score(p, j, lane, s)) {
+      const float dp = warp_dot<M16, DP>(dod, row.v_row(p, j), p.Dv, lane);
+      ds = exp2f(s - lse2) * (dp * dropout_scale(p, stream, row.rng_row, j) - delta);
+      axpy_row<M16, DP>(acc, ds, row.k_row(p, j), p.D, lane);
+    }
+    if (dmask_row != nullptr && lane == 0) dmask_row[j] = ds;
+  }
+  uint16_t* dq = p.dq + (bh * p.Lq + i) * p.D;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int d = lane + 32 * u;
+    if (d < p.D) dq[d] = M16::from_float(acc[u] * p.scale);
+  }
+}
+
+// dK / dV, careful: dk[j] and dv[j] of key j of (b, kv head hk), summed over the GQA group's
+// query heads and their queries attending j (rows with lse = -inf attend nothing).
+template <typename M16, int DP>
+__device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int lane) {
+  constexpr int U = DP / 32;
+  float kd[U], vd[U], adk[U] = {}, adv[U] = {};
+  load_row_features<M16, DP>(kd, p.k + b * p.k_sb + hk * p.k_sh + int64_t{j} * p.k_sl, p.D, lane);
+  load_row_features<M16, DP>(vd, p.v + b * p.v_sb + hk * p.v_sh + int64_t{j} * p.v_sl, p.Dv, lane);
+  int i_begin, i_end;
+  query_range(p, j, 1, i_begin, i_end);
+  for (int gi = 0; gi < p.group; ++gi) {
+    const int h = hk * p.group + gi;
+    const int64_t bh = int64_t{b} * p.H + h;
+    const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
+    const uint16_t* do_base = p.dout + b * p.do_sb + h * p.do_sh;
+    const int64_t mask_base = b * p.m_sb + h * p.m_sh + int64_t{j} * p.m_sk;
+    const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
+    for (int i = i_begin; i < i_end; ++i) {
+      const float lse2 = p.lse_in[bh * p.Lq + i] * kLog2e;
+      const uint16_t* q_row = q_base + int64_t{i} * p.q_sl;
+      float s;
+      if (lse2 == -INFINITY ||
+          !attended_score<M16, DP>(p, kd, q_row, i, j, mask_base + int64_t{i} * p.m_sl, lane, s)) {
+        continue;
+      }
+      const uint16_t* do_row = do_base + int64_t{i} * p.do_sl;
+      const float pr = exp2f(s - lse2);
+      const float z = dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
+      const float dp = warp_dot<M16, DP>(vd, do_row, p.Dv, lane);
+      axpy_row<M16, DP>(adv, pr * z, do_row, p.Dv, lane);
+      axpy_row<M16, DP>(adk, pr * (dp * z - p.delta[bh * p.Lq + i]), q_row, p.D, lane);
+    }
+  }
+  uint16_t* dk = p.dk + ((int64_t{b} * p.Hkv + hk) * p.Lk + j) * p.D;
+  uint16_t* dv = p.dv + ((int64_t{b} * p.Hkv + hk) * p.Lk + j) * p.Dv;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int d = lane + 32 * u;
+    if (d < p.D) dk[d] = M16::from_float(adk[u] * p.scale);
+    if (d < p.Dv) dv[d] = M16::from_float(adv[u]);
+  }
+}
+
 // The opening of the three tile kernels (template <typename T, typename Cfg, int SMEM_BYTES>):
 // the symbol's shared memory checked against the launch's, the operand type, the tile shapes
 // and the dynamic shared memory.
@@ -462,13 +708,11 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sKV = sQ + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
 
-  const GridBlock blk = grid_block(p.Lq, BM, p.H);
-  const int64_t bh = blk.bh;
-  const int b = blk.b, h = blk.h, hk = h / p.group;
-  const int m0 = blk.blk * BM;
-  const WarpRows w = warp_rows();
-  const int lane = w.lane, t = w.t, wrow = w.wrow;
-  const int i_row[2] = {m0 + w.row[0], m0 + w.row[1]};
+  const QueryCta cta = query_cta(p, BM);
+  const int64_t bh = cta.bh;
+  const int b = cta.b, h = cta.h, hk = cta.hk, m0 = cta.m0, lane = cta.w.lane, t = cta.w.t,
+            wrow = cta.w.wrow;
+  const int i_row[2] = {cta.i_row[0], cta.i_row[1]};
 
   const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
@@ -588,6 +832,24 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   });
   cp_async_wait<0>();  // nothing may land after the CTA exits (the last group is empty anyway)
 
+  // The NaN rule: a NaN in this warp's accumulators (O or a row sum, rows < Lq) is an attended
+  // non-finite value or a leak; then the warp recomputes its rows on the careful path.
+  float probe = 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (i_row[r] >= p.Lq) continue;
+    probe += l_run[r];
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) probe += o[dt][2 * r] + o[dt][2 * r + 1];
+  }
+  if (__any_sync(0xffffffffu, is_nan(probe))) {  // NaN + anything is NaN (so is inf - inf)
+    for (int row = 0; row < 16; ++row) {
+      const int i = m0 + wrow + row;
+      if (i < p.Lq) fwd_row_careful<M16, DP>(p, bh, b, h, i, stream, lane);
+    }
+    return;
+  }
+
   // Epilogue: normalize; stage O (16-bit) in this warp's own 16 rows of the Q tile (no other
   // warp reads them any more: Q fragments of a warp come from its own rows), then write whole
   // 16-byte chunks of the rows < Lq, columns < Dv.
@@ -605,7 +867,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      *reinterpret_cast<uint32_t*>(sQ + L::offset(w.row[r], dt * 8 + 2 * t)) =
+      *reinterpret_cast<uint32_t*>(sQ + L::offset(cta.w.row[r], dt * 8 + 2 * t)) =
           M16::pack(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
     }
   }
@@ -786,6 +1048,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   cp_async_wait<0>();  // K / V landed even when no query block was visited
   uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
   uint16_t* dv = p.dv + (int64_t{b} * p.Hkv + hk) * p.Lk * p.Dv;
+  float probe = 0.f;  // the sum of what this thread writes: NaN if any of it is NaN
   if constexpr (Cfg::ACC_IN_REGS) {
     // Lane (g, t) holds keys kr[0], kr[1] x columns dt * 8 + 2t, +1 of dK and dV.
 #pragma unroll
@@ -797,20 +1060,32 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = dt * 8 + 2 * t + e;
-          if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(acc_dk[dt][2 * r + e] * p.scale);
-          if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(acc_dv[dt][2 * r + e]);
+          const float gk = acc_dk[dt][2 * r + e] * p.scale, gv = acc_dv[dt][2 * r + e];
+          if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(gk);
+          if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(gv);
+          probe += (c < p.D ? gk : 0.f) + (c < p.Dv ? gv : 0.f);
         }
       }
     }
-    return;
+  } else {
+    __syncthreads();  // all warps' shared accumulators (and the zero fill) are complete
+    for (int idx = threadIdx.x; idx < BN * DP; idx += NT) {
+      const int r = idx / DP, c = idx % DP;
+      const int j = n0 + r;
+      if (j >= p.Lk) continue;
+      const float gk = sdK[A::offset(r, c)] * p.scale, gv = sdV[A::offset(r, c)];
+      if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(gk);
+      if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(gv);
+      probe += (c < p.D ? gk : 0.f) + (c < p.Dv ? gv : 0.f);
+    }
   }
-  __syncthreads();  // all warps' shared accumulators (and the zero fill) are complete
-  for (int idx = threadIdx.x; idx < BN * DP; idx += NT) {
-    const int r = idx / DP, c = idx % DP;
-    const int j = n0 + r;
-    if (j >= p.Lk) continue;
-    if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(sdK[A::offset(r, c)] * p.scale);
-    if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(sdV[A::offset(r, c)]);
+  // The NaN rule: a NaN in what the CTA wrote is an attended non-finite value or a leak; then
+  // every warp rewrites its 16 keys on the careful path (the barrier orders the writes).
+  if (__syncthreads_or(is_nan(probe))) {
+    for (int row = 0; row < 16; ++row) {
+      const int j = n0 + wrow + row;
+      if (j < p.Lk) dkdv_key_careful<M16, DP>(p, b, hk, j, lane);
+    }
   }
 }
 
@@ -818,7 +1093,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
 // Backward 3/3: dQ (and dmask), one CTA per (BM queries, b, h).
 
 template <typename T, typename Cfg, int SMEM_BYTES>
-__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
+    attn_bwd_dq_kernel(const AttnParams p) {
   FASTATTN_ATTN_TILE_KERNEL_SETUP();
   using A = AccTile<DP>;
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
@@ -826,13 +1102,11 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const Att
   uint16_t* sKV = sdO + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
   float* sdQ = reinterpret_cast<float*>(sKV + Cfg::STAGES * 2 * Cfg::KV_ELEMS);
 
-  const GridBlock blk = grid_block(p.Lq, BM, p.H);
-  const int64_t bh = blk.bh;
-  const int b = blk.b, h = blk.h, hk = h / p.group;
-  const int m0 = blk.blk * BM;
-  const WarpRows w = warp_rows();
-  const int lane = w.lane, t = w.t, wrow = w.wrow;
-  const int i_row[2] = {m0 + w.row[0], m0 + w.row[1]};
+  const QueryCta cta = query_cta(p, BM);
+  const int64_t bh = cta.bh;
+  const int b = cta.b, h = cta.h, hk = cta.hk, m0 = cta.m0, lane = cta.w.lane, t = cta.w.t,
+            wrow = cta.w.wrow;
+  const int i_row[2] = {cta.i_row[0], cta.i_row[1]};
 
   load_tile_async<BM, DP, NT>(sQ, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
   load_tile_async<BM, DP, NT>(sdO, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0, p.Lq, p.Dv,
@@ -898,17 +1172,32 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const Att
       for (int nt = 0; nt < 2; ++nt) {
         const int col = dq * 16 + nt * 8 + 2 * t;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) acc_add2<DP>(sdQ, w.row[r], col, c[nt][2 * r], c[nt][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {
+          acc_add2<DP>(sdQ, cta.w.row[r], col, c[nt][2 * r], c[nt][2 * r + 1]);
+        }
       }
     }
   });
   cp_async_wait<0>();  // nothing may land after the CTA exits
   __syncthreads();     // every lane's dQ accumulators (or the zero fill) complete
   uint16_t* dq = p.dq + bh * p.Lq * p.D;
+  float probe = 0.f;  // the sum of what this thread writes: NaN if any of it is NaN
   for (int idx = threadIdx.x; idx < BM * DP; idx += NT) {
     const int r = idx / DP, c = idx % DP;
     const int i = m0 + r;
-    if (i < p.Lq && c < p.D) dq[int64_t{i} * p.D + c] = M16::from_float(sdQ[A::offset(r, c)] * p.scale);
+    if (i < p.Lq && c < p.D) {
+      const float g = sdQ[A::offset(r, c)] * p.scale;
+      dq[int64_t{i} * p.D + c] = M16::from_float(g);
+      probe += g;
+    }
+  }
+  // The NaN rule: a NaN in the CTA's dQ is an attended non-finite value or a leak (a leaked dS
+  // also reaches dQ); then every warp rewrites its 16 rows (and their dmask) carefully.
+  if (__syncthreads_or(is_nan(probe))) {
+    for (int row = 0; row < 16; ++row) {
+      const int i = m0 + wrow + row;
+      if (i < p.Lq) dq_row_careful<M16, DP>(p, bh, b, h, i, stream, lane);
+    }
   }
 }
 
