@@ -105,6 +105,8 @@ def _mask(kind, B, H, L):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_nan_rule(backend, device, dtype, case):
+    if backend == "cuda" and dtype == torch.float32:
+        pytest.skip("the cuda attention kernels take float16 / bfloat16 only (float32 is rejected)")
     name, L, causal, kind, nans = case
     B, H, D = 1, 2, 16
     g = torch.Generator().manual_seed(7)
@@ -188,23 +190,38 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
 def test_nan_rule_triton_paths(case, triton_path):
+    _check_kernel_case(case, "triton", DEVICE, torch.float32, D=16)
+
+
+CUDA = [p for p in BACKENDS if p.values[0] == "cuda"]
+
+
+@pytest.mark.parametrize("backend,device", CUDA)
+@pytest.mark.parametrize("D", [16, 100, 256])  # the three head-dim buckets of attention.cu
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_nan_rule_cuda_paths(case, D, backend, device):
+    """csrc/cuda/attention.cu's detect-and-recompute paths (forward per warp, dK/dV and dQ per
+    CTA): GQA, dropout, infinities, a bottom-right band, a float mask; bfloat16."""
+    _check_kernel_case(case, backend, device, torch.bfloat16, D=D)
+
+
+def _check_kernel_case(case, backend, device, dtype, D):
     name, Lq, Lk, H, Hkv, causal, window, kind, p, spots = case
-    D = 16
     g = torch.Generator().manual_seed(11)
-    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).float()  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
     q, k, v, dout = mk(1, H, Lq, D), mk(1, Hkv, Lk, D), mk(1, Hkv, Lk, D), mk(1, H, Lq, D)
     for which, row, feat, val in spots:
         {"q": q, "k": k, "v": v}[which][:, :, row, feat] = val
     mask = None
     if kind == "float-rows":  # rows 0..7 mask key 4 out, the others attend it with a bias
-        mask = torch.zeros(1, 1, Lq, Lk)
+        mask = torch.zeros(1, 1, Lq, Lk, dtype=dtype)
         mask[..., :8, 4] = float("-inf")
         mask[..., 8:, 4] = 0.5
     args = dict(causal=causal, window=window, dropout_p=p, seed=5 if p else None)
-    qt, kt, vt = (t.to(DEVICE).requires_grad_() for t in (q, k, v))
-    out, lse = fastattn.attention(qt, kt, vt, None if mask is None else mask.to(DEVICE),
-                                  enable_gqa=Hkv != H, return_lse=True, backend="triton", **args)
-    grads = torch.autograd.grad(out, (qt, kt, vt), dout.to(DEVICE))
+    qt, kt, vt = (t.to(device).requires_grad_() for t in (q, k, v))
+    out, lse = fastattn.attention(qt, kt, vt, None if mask is None else mask.to(device),
+                                  enable_gqa=Hkv != H, return_lse=True, backend=backend, **args)
+    grads = torch.autograd.grad(out, (qt, kt, vt), dout.to(device))
     np_args = (to_numpy(q), to_numpy(k), to_numpy(v))
     np_mask = None if mask is None else to_numpy(mask)
     ref_kw = dict(mask=np_mask, enable_gqa=Hkv != H, **args)
@@ -212,7 +229,7 @@ def test_nan_rule_triton_paths(case, triton_path):
     want += list(reference.attention_backward(to_numpy(dout), *np_args, **ref_kw))[:3]
     finite_rows = ~_rows(want[0])
     assert finite_rows.any(), "the case must keep some rows finite"
-    _assert_matches([out, lse, *grads], want, torch.float32)
+    _assert_matches([out, lse, *grads], want, dtype)
 
 
 VARLEN_BACKENDS = backend_params("varlen_attention")

@@ -70,6 +70,17 @@
 // forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp). Every shared and global
 // access is bounds-checked or covered by a static_assert on the tile shapes.
 //
+// NaN rule (docs/numerics.md): a non-finite value a row attends reaches it as IEEE arithmetic
+// says; one held only at pairs the row does not attend never does. The tile loops above do not
+// hold it alone (a bool False is *added* as -inf, NaN + -inf = NaN; the masked-out zeros of P and
+// dS meet NaN rows of V, dO, K, Q in the mma products; fmaxf drops a NaN). Every such leak, and
+// every attended NaN, leaves a NaN in what the warp (forward) or CTA (dK/dV, dQ) computed, so
+// each checks that once (a sum of its accumulators / outputs, then one vote) and, only if it is
+// NaN, recomputes its rows (keys) on a careful scalar path over the attended pairs only (see
+// "The NaN rule" below). Inputs without NaN pay one add per output element and the vote.
+// UNVERIFIED ON A GPU: the careful paths compile (make check-cuda) but no GPU has run them yet;
+// tests/test_nan.py's cuda cases are the check.
+//
 // Limits: Lq, Lk <= 2^29; head dims <= 256; H a multiple of Hkv; q / k / v / dout with a unit
 // last stride (any other strides; 16-byte cp.async when the base and strides allow it, element
 // loads otherwise); lse contiguous float32. Offsets are int64.
@@ -212,6 +223,109 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[N][4
   a[3] = M16::pack(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
+// c0 / c1 += a * B for the two n-tiles of a B read from the 16 x 16 block of X at rows r0,
+// columns c0: B = X^T when XT (B[k][n] = X[r0 + n][c0 + k]; ldsm_b), else B = X
+// (B[k][n] = X[r0 + k][c0 + n]; ldsm_bt).
+template <typename M16, int DP, bool XT>
+__device__ __forceinline__ void mma_block(float (&acc0)[4], float (&acc1)[4],
+                                          const uint32_t (&a)[4], const uint16_t* tile, int r0,
+                                          int c0, int lane) {
+  uint32_t b[4];
+  if constexpr (XT) {
+    ldsm_b<DP>(b, tile, r0, c0, lane);
+  } else {
+    ldsm_bt<DP>(b, tile, r0, c0, lane);
+  }
+  M16::mma(acc0, a, b[0], b[1]);
+  M16::mma(acc1, a, b[2], b[3]);
+}
+// One 16-deep step of C = A X^T over N rows of X: c[0 .. N / 8) += a * X[0 .. N, k0 .. k0 + 16)^T.
+template <typename M16, int DP, int N>
+__device__ __forceinline__ void mma_xt_step(float (&c)[N / 8][4], const uint32_t (&a)[4],
+                                            const uint16_t* tile, int k0, int lane) {
+#pragma unroll
+  for (int np = 0; np < N / 16; ++np) {
+    mma_block<M16, DP, true>(c[2 * np], c[2 * np + 1], a, tile, np * 16, k0, lane);
+  }
+}
+// The two products of a backward kernel, for this warp's 16 rows (from wrow) of A1 and A2 and
+// N rows of X1 and X2: c1 += A1 X1^T and c2 += A2 X2^T, k-step by k-step.
+template <typename M16, int DP, int N>
+__device__ __forceinline__ void mma_two_xt(float (&c1)[N / 8][4], const uint16_t* a1,
+                                           const uint16_t* x1, float (&c2)[N / 8][4],
+                                           const uint16_t* a2, const uint16_t* x2, int wrow,
+                                           int lane) {
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    uint32_t a[4];
+    ldsm_a<DP>(a, a1, wrow, kk * 16, lane);
+    mma_xt_step<M16, DP, N>(c1, a, x1, kk * 16, lane);
+    ldsm_a<DP>(a, a2, wrow, kk * 16, lane);
+    mma_xt_step<M16, DP, N>(c2, a, x2, kk * 16, lane);
+  }
+}
+
+// This lane's place in a CTA of 16-row warps: t = lane % 4 (the column pair of its accumulator
+// elements), wrow = the warp's first tile row, row[0] / row[1] = the tile rows it holds.
+struct WarpRows {
+  int lane, t, wrow, row[2];
+};
+__device__ __forceinline__ WarpRows warp_rows() {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int wrow = warp * 16;
+  return {lane, lane & 3, wrow, {wrow + (lane >> 2), wrow + (lane >> 2) + 8}};
+}
+
+// A 1-D grid over (blocks of ROWS rows of a length `len`) x (batch x `heads`), the block index
+// fastest: this CTA's block and its (batch, head).
+struct GridBlock {
+  int blk;
+  int64_t bh;  // batch * heads + head
+  int b, h;
+};
+__device__ __forceinline__ GridBlock grid_block(int len, int rows, int heads) {
+  const int num = (len + rows - 1) / rows;
+  const int64_t bh = blockIdx.x / num;
+  return {static_cast<int>(blockIdx.x % num), bh, static_cast<int>(bh / heads),
+          static_cast<int>(bh % heads)};
+}
+
+// A query-block CTA (forward, dQ): its (b, h), kv head hk and first query m0, this lane's place
+// w, and the queries i_row[] of the tile rows w.row[] it holds.
+struct QueryCta {
+  int64_t bh;
+  int b, h, hk, m0;
+  WarpRows w;
+  int i_row[2];
+};
+__device__ __forceinline__ QueryCta query_cta(const AttnParams& p, int bm) {
+  const GridBlock blk = grid_block(p.Lq, bm, p.H);
+  const WarpRows w = warp_rows();
+  const int m0 = blk.blk * bm;
+  return {blk.bh, blk.b, blk.h, blk.h / p.group, m0, w, {m0 + w.row[0], m0 + w.row[1]}};
+}
+
+// A visible score in log2 units: scale * s * log2(e) plus the user mask's term at `mask_off`.
+__device__ __forceinline__ float score_log2(const AttnParams& p, float s, int64_t mask_off) {
+  float v = s * p.scale_log2;
+  if (p.mask_kind != MaskKind::kNone) {
+    v += mask_additive(p.mask, p.mask_kind, mask_off) * kLog2e;
+  }
+  return v;
+}
+
+// The dropout factor Z of key j in the row with dropout_row_base `rng_row`: 1 / (1 - p) where
+// kept, 0 where dropped; 1 without dropout.
+__device__ __forceinline__ float dropout_scale(const AttnParams& p, uint32_t stream,
+                                               uint32_t rng_row, int j) {
+  float z = 1.f;
+  if (p.dropout) {
+    const bool keep = dropout_bits(stream, rng_row, static_cast<uint32_t>(j)) >= p.threshold;
+    z = keep ? p.rcp_keep : 0.f;
+  }
+  return z;
+}
+
 // Whether key j is visible to query i (bounds and band); the caller adds the user mask.
 __device__ __forceinline__ bool visible(const AttnParams& p, int i, int j) {
   return i < p.Lq && j < p.Lk && j >= i + p.band_lo && j <= i + p.band_hi;
@@ -238,6 +352,18 @@ __device__ __forceinline__ void query_range(const AttnParams& p, int n0, int row
   const int n_last = min(n0 + rows, p.Lk) - 1;
   i_begin = max(0, n0 - p.band_hi);
   i_end = min(p.Lq, n_last - p.band_lo + 1);
+}
+
+// The BN-key tiles that queries [m0, m0 + rows) may see: `num` tiles from key `first` on (tiles
+// entirely outside the band are skipped).
+struct KeyTiles {
+  int first, num;
+};
+__device__ __forceinline__ KeyTiles key_tiles(const AttnParams& p, int m0, int rows, int bn) {
+  int n_begin, n_end;
+  key_range(p, m0, rows, n_begin, n_end);
+  const int first = (n_begin / bn) * bn;
+  return {first, n_begin < n_end ? (n_end - first + bn - 1) / bn : 0};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,12 +393,13 @@ struct BwdKVCfg {
   static_assert(SMEM <= kSm80SmemOptin, "dK/dV tile does not fit in sm_80 shared memory");
 };
 
-template <int DP_, int BM_, int BN_>
+template <int DP_, int BM_, int BN_, int MIN_CTAS_ = 1>
 struct BwdQCfg {
   static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
+  static constexpr int MIN_CTAS = MIN_CTAS_;  // __launch_bounds__' CTAs per SM (see Configs)
   static constexpr int STAGES = 2;  // K / V double buffer, as in the forward
-  static constexpr int Q_ELEMS = BM * DP, K_ELEMS = BN * DP, ACC_ELEMS = BM * AccTile<DP>::LD;
-  static constexpr int SMEM = (2 * Q_ELEMS + STAGES * 2 * K_ELEMS) * 2 + ACC_ELEMS * 4;
+  static constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP, ACC_ELEMS = BM * AccTile<DP>::LD;
+  static constexpr int SMEM = (2 * Q_ELEMS + STAGES * 2 * KV_ELEMS) * 2 + ACC_ELEMS * 4;
   static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
   static_assert(SMEM <= kSm80SmemOptin, "dQ tile does not fit in sm_80 shared memory");
 };
@@ -282,16 +409,19 @@ struct BwdQCfg {
 //   64   128 x 64, 8 warps, Q in regs     64 x 64, 4 warps, dK/dV regs   64 x 64, 4 warps
 //   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps, dK/dV regs   64 x 64, 4 warps
 //   256   64 x 32, 4 warps, Q in smem     32 x 32, 2 warps, dK/dV smem   32 x 32, 2 warps
-// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 151 / 211 / 244 per lane, see
+// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 146 / 200 / 240 per lane, see
 // `make check-cuda`) leave one CTA per SM: 8 / 8 / 4 warps. Registers decide DP = 256: O alone is
-// 128 floats per lane, so Q stays in shared memory there.
+// 128 floats per lane, so Q stays in shared memory there. dQ at DP = 64 (66 KiB) fits three CTAs
+// in an sm_90 SM's shared memory; its launch bounds ask for three, which keeps it at <= 168
+// registers (162; without the bound the NaN rule's careful path took it from 168 to 172, and
+// 176 allocated registers leave room for two).
 template <int DP>
 struct Configs;
 template <>
 struct Configs<64> {
   using Fwd = FwdCfg<64, 128, 64, true>;
   using KV = BwdKVCfg<64, 64, 64>;
-  using Q = BwdQCfg<64, 64, 64>;
+  using Q = BwdQCfg<64, 64, 64, 3>;
 };
 template <>
 struct Configs<128> {
@@ -307,48 +437,292 @@ struct Configs<256> {
 };
 
 // ---------------------------------------------------------------------------------------------
+// The key-tile walk of the forward and the dQ kernel: K and V tiles of Cfg::KV_ELEMS elements,
+// double-buffered in sKV (stage s: K at sKV + 2 s KV_ELEMS, V right after it).
+
+// Issues the cp.async of the K and V tiles of keys [n0, n0 + BN) into `stage` (not committed).
+template <typename Cfg>
+__device__ __forceinline__ void load_kv_async(uint16_t* sKV, int stage, const AttnParams& p,
+                                              const uint16_t* k_base, const uint16_t* v_base,
+                                              int n0) {
+  uint16_t* sK = sKV + stage * 2 * Cfg::KV_ELEMS;
+  load_tile_async<Cfg::BN, Cfg::DP, Cfg::NTHREADS>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
+  load_tile_async<Cfg::BN, Cfg::DP, Cfg::NTHREADS>(sK + Cfg::KV_ELEMS, v_base, p.v_sl, n0, p.Lk,
+                                                   p.Dv, p.vec_v);
+}
+
+// Calls body(n0, sK, sV) for each tile of `tiles`, tile 0 already issued and committed by the
+// caller as its last group. Per tile: prefetch tile it + 1 into the other stage (its last
+// reader, tile it - 1, passed the barrier that ends iteration it - 1), wait for tile it (this
+// thread's copies, then every thread's: barrier), body, barrier (tile it's stage is no longer
+// read). The caller waits for the last (empty) group before the CTA exits.
+template <typename Cfg, typename Body>
+__device__ __forceinline__ void for_each_key_tile(const AttnParams& p, const KeyTiles& tiles,
+                                                  uint16_t* sKV, const uint16_t* k_base,
+                                                  const uint16_t* v_base, Body&& body) {
+  for (int it = 0; it < tiles.num; ++it) {
+    const int n0 = tiles.first + it * Cfg::BN;
+    if (it + 1 < tiles.num) load_kv_async<Cfg>(sKV, (it + 1) & 1, p, k_base, v_base, n0 + Cfg::BN);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the prefetch: tile it has landed (this thread's part)
+    __syncthreads();     // ... in every thread
+    const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::KV_ELEMS;
+    body(n0, sK, sK + Cfg::KV_ELEMS);
+    __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The NaN rule (docs/numerics.md): detect, then recompute. The tile loops above run over every
+// pair of a tile, so a non-finite value at a pair a row does not attend can leak into its output:
+// a bool False (or a float -inf) is *added* to the score (NaN + -inf = NaN), and the masked-out
+// zeros of P and dS meet the NaN / inf rows of V, dO, K and Q in the mma products (0 * NaN =
+// NaN). A leak, like an attended NaN, always leaves a NaN in the output of the warp (forward) or
+// CTA (backward), and the fast path's output is right whenever it holds none. So each kernel
+// checks what it writes once and, only when it finds a NaN, recomputes it below: one row (key)
+// at a time per warp, over the attended pairs only (visible, and the user mask not -inf), in
+// float32 scalar arithmetic, the lanes splitting the head dims (feature d = lane + 32 u) and
+// each dot product reduced over the warp. Every product is formed pairwise, so IEEE arithmetic
+// decides what an attended non-finite value gives, exactly as in the reference. Slow (no tensor
+// cores), but only blocks holding a NaN pay for it.
+
+// Whether x is NaN, from its bits (independent of any fast-math assumption).
+__device__ __forceinline__ bool is_nan(float x) {
+  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// max that propagates a NaN (fmaxf drops it).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  return is_nan(a) || is_nan(b) ? NAN : fmaxf(a, b);
+}
+
+// Features d = lane + 32 u < n of the 16-bit row `row` as float32 (0 beyond n).
+template <typename M16, int DP>
+__device__ __forceinline__ void load_row_features(float (&x)[DP / 32], const uint16_t* row, int n,
+                                                  int lane) {
+#pragma unroll
+  for (int u = 0; u < DP / 32; ++u) {
+    const int d = lane + 32 * u;
+    x[u] = d < n ? M16::to_float(row[d]) : 0.f;
+  }
+}
+
+// The warp's dot product of x (features split over the lanes) with the 16-bit row `row`.
+template <typename M16, int DP>
+__device__ __forceinline__ float warp_dot(const float (&x)[DP / 32], const uint16_t* row, int n,
+                                          int lane) {
+  float acc = 0.f;
+#pragma unroll
+  for (int u = 0; u < DP / 32; ++u) {
+    const int d = lane + 32 * u;
+    if (d < n) acc += x[u] * M16::to_float(row[d]);
+  }
+  return warp_sum(acc);
+}
+
+// acc[u] += c * row[d] for the lane's features d < n.
+template <typename M16, int DP>
+__device__ __forceinline__ void axpy_row(float (&acc)[DP / 32], float c, const uint16_t* row,
+                                         int n, int lane) {
+#pragma unroll
+  for (int u = 0; u < DP / 32; ++u) {
+    const int d = lane + 32 * u;
+    if (d < n) acc[u] += c * M16::to_float(row[d]);
+  }
+}
+
+// Whether query i attends key j and, if it does, the score S_ij in log2 units (s): the warp's
+// dot of x (q_i or k_j, split over the lanes) with `row` (the other one), scaled, plus the mask.
+template <typename M16, int DP>
+__device__ __forceinline__ bool attended_score(const AttnParams& p, const float (&x)[DP / 32],
+                                               const uint16_t* row, int i, int j,
+                                               int64_t mask_off, int lane, float& s) {
+  if (!visible(p, i, j)) return false;
+  float mask = 0.f;
+  if (p.mask_kind != MaskKind::kNone) {
+    mask = mask_additive(p.mask, p.mask_kind, mask_off);
+    if (mask == -INFINITY) return false;  // bool False or a float -inf: not attended
+  }
+  s = warp_dot<M16, DP>(x, row, p.D, lane) * p.scale_log2 + mask * kLog2e;
+  return true;
+}
+
+// Query row i of (b, h) on the careful paths: its kv head's K and V, its mask row, its dropout
+// row, q_i (features split over the lanes) and the keys [n_begin, n_end) its band allows.
+template <typename M16, int DP>
+struct CarefulQuery {
+  const uint16_t* k_base;
+  const uint16_t* v_base;
+  int64_t mask_row;
+  uint32_t rng_row;
+  int i, n_begin, n_end;
+  float qd[DP / 32];
+
+  __device__ __forceinline__ CarefulQuery(const AttnParams& p, int b, int h, int i_, int lane)
+      : i(i_) {
+    const int hk = h / p.group;
+    k_base = p.k + b * p.k_sb + hk * p.k_sh;
+    v_base = p.v + b * p.v_sb + hk * p.v_sh;
+    mask_row = b * p.m_sb + h * p.m_sh + int64_t{i} * p.m_sl;
+    rng_row = dropout_row_base(i, p.Lk);
+    load_row_features<M16, DP>(qd, p.q + b * p.q_sb + h * p.q_sh + int64_t{i} * p.q_sl, p.D,
+                               lane);
+    key_range(p, i, 1, n_begin, n_end);
+  }
+  __device__ __forceinline__ const uint16_t* k_row(const AttnParams& p, int j) const {
+    return k_base + int64_t{j} * p.k_sl;
+  }
+  __device__ __forceinline__ const uint16_t* v_row(const AttnParams& p, int j) const {
+    return v_base + int64_t{j} * p.v_sl;
+  }
+  // Whether row i attends key j and, if it does, S_ij in log2 units (s).
+  __device__ __forceinline__ bool score(const AttnParams& p, int j, int lane, float& s) const {
+    return attended_score<M16, DP>(p, qd, k_row(p, j), i, j, mask_row + int64_t{j} * p.m_sk,
+                                   lane, s);
+  }
+};
+
+// Forward, careful: out[i] and lse[i] of query i of (b, h). Two passes over the attended keys:
+// the row max m (NaN if any attended score is NaN; -inf when nothing is attended: a dead row),
+// then l = sum exp2(S - m) and out = sum exp2(S - m) Z v / l. A dead row outputs sum 0 * Z v
+// (0, or NaN from an attended non-finite v) and lse -inf.
+template <typename M16, int DP>
+__device__ void fwd_row_careful(const AttnParams& p, int64_t bh, int b, int h, int i,
+                                uint32_t stream, int lane) {
+  constexpr int U = DP / 32;
+  const CarefulQuery<M16, DP> row(p, b, h, i, lane);
+  float m = -INFINITY, s;
+  for (int j = row.n_begin; j < row.n_end; ++j) {
+    if (row.score(p, j, lane, s)) m = max_nan(m, s);
+  }
+  const bool dead = m == -INFINITY;
+  const float m_safe = dead ? 0.f : m;
+  float l = 0.f, acc[U] = {};
+  for (int j = row.n_begin; j < row.n_end; ++j) {
+    if (row.score(p, j, lane, s)) {
+      const float e = exp2f(s - m_safe);  // 0 in a dead row
+      l += e;
+      axpy_row<M16, DP>(acc, e * dropout_scale(p, stream, row.rng_row, j), row.v_row(p, j), p.Dv,
+                        lane);
+    }
+  }
+  uint16_t* out = p.out + (bh * p.Lq + i) * p.Dv;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int d = lane + 32 * u;
+    if (d < p.Dv) out[d] = M16::from_float(dead ? acc[u] : acc[u] / l);
+  }
+  if (lane == 0) p.lse[bh * p.Lq + i] = dead ? -INFINITY : (m + log2f(l)) * kLn2;
+}
+
+// dQ, careful: dq[i] of query i of (b, h), and the dmask entries of its visible keys (dS where
+// attended, 0 elsewhere). A row with lse = -inf attends nothing: dq 0.
+template <typename M16, int DP>
+__device__ void dq_row_careful(const AttnParams& p, int64_t bh, int b, int h, int i,
+                               uint32_t stream, int lane) {
+  constexpr int U = DP / 32;
+  const CarefulQuery<M16, DP> row(p, b, h, i, lane);
+  const float lse2 = p.lse_in[bh * p.Lq + i] * kLog2e;
+  const float delta = p.delta[bh * p.Lq + i];
+  float dod[U], acc[U] = {};
+  load_row_features<M16, DP>(dod, p.dout + b * p.do_sb + h * p.do_sh + int64_t{i} * p.do_sl,
+                             p.Dv, lane);
+  float* dmask_row = p.dmask != nullptr ? p.dmask + (bh * p.Lq + i) * p.Lk : nullptr;
+  for (int j = row.n_begin; j < row.n_end && lse2 != -INFINITY; ++j) {
+    float s, ds = 0.f;
+    if (row.score(p, j, lane, s)) {
+      const float dp = warp_dot<M16, DP>(dod, row.v_row(p, j), p.Dv, lane);
+      ds = exp2f(s - lse2) * (dp * dropout_scale(p, stream, row.rng_row, j) - delta);
+      axpy_row<M16, DP>(acc, ds, row.k_row(p, j), p.D, lane);
+    }
+    if (dmask_row != nullptr && lane == 0) dmask_row[j] = ds;
+  }
+  uint16_t* dq = p.dq + (bh * p.Lq + i) * p.D;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int d = lane + 32 * u;
+    if (d < p.D) dq[d] = M16::from_float(acc[u] * p.scale);
+  }
+}
+
+// dK / dV, careful: dk[j] and dv[j] of key j of (b, kv head hk), summed over the GQA group's
+// query heads and their queries attending j (rows with lse = -inf attend nothing).
+template <typename M16, int DP>
+__device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int lane) {
+  constexpr int U = DP / 32;
+  float kd[U], vd[U], adk[U] = {}, adv[U] = {};
+  load_row_features<M16, DP>(kd, p.k + b * p.k_sb + hk * p.k_sh + int64_t{j} * p.k_sl, p.D, lane);
+  load_row_features<M16, DP>(vd, p.v + b * p.v_sb + hk * p.v_sh + int64_t{j} * p.v_sl, p.Dv, lane);
+  int i_begin, i_end;
+  query_range(p, j, 1, i_begin, i_end);
+  for (int gi = 0; gi < p.group; ++gi) {
+    const int h = hk * p.group + gi;
+    const int64_t bh = int64_t{b} * p.H + h;
+    const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
+    const uint16_t* do_base = p.dout + b * p.do_sb + h * p.do_sh;
+    const int64_t mask_base = b * p.m_sb + h * p.m_sh + int64_t{j} * p.m_sk;
+    const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
+    for (int i = i_begin; i < i_end; ++i) {
+      const float lse2 = p.lse_in[bh * p.Lq + i] * kLog2e;
+      const uint16_t* q_row = q_base + int64_t{i} * p.q_sl;
+      float s;
+      if (lse2 == -INFINITY ||
+          !attended_score<M16, DP>(p, kd, q_row, i, j, mask_base + int64_t{i} * p.m_sl, lane, s)) {
+        continue;
+      }
+      const uint16_t* do_row = do_base + int64_t{i} * p.do_sl;
+      const float pr = exp2f(s - lse2);
+      const float z = dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
+      const float dp = warp_dot<M16, DP>(vd, do_row, p.Dv, lane);
+      axpy_row<M16, DP>(adv, pr * z, do_row, p.Dv, lane);
+      axpy_row<M16, DP>(adk, pr * (dp * z - p.delta[bh * p.Lq + i]), q_row, p.D, lane);
+    }
+  }
+  uint16_t* dk = p.dk + ((int64_t{b} * p.Hkv + hk) * p.Lk + j) * p.D;
+  uint16_t* dv = p.dv + ((int64_t{b} * p.Hkv + hk) * p.Lk + j) * p.Dv;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int d = lane + 32 * u;
+    if (d < p.D) dk[d] = M16::from_float(adk[u] * p.scale);
+    if (d < p.Dv) dv[d] = M16::from_float(adv[u]);
+  }
+}
+
+// The opening of the three tile kernels (template <typename T, typename Cfg, int SMEM_BYTES>):
+// the symbol's shared memory checked against the launch's, the operand type, the tile shapes
+// and the dynamic shared memory.
+#define FASTATTN_ATTN_TILE_KERNEL_SETUP()                                                      \
+  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");  \
+  using M16 = Mma16<T>;                                                                      \
+  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;                \
+  extern __shared__ __align__(16) unsigned char smem_raw[]
+
+// ---------------------------------------------------------------------------------------------
 // Forward. SMEM_BYTES == Cfg::SMEM: it is a template argument so that the symbol carries the
 // dynamic shared memory the launch asks for (the compile gate reports it).
 
 template <typename T, typename Cfg, int SMEM_BYTES>
 __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnParams p) {
-  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
-  using M16 = Mma16<T>;
-  using L = Swizzled<Cfg::DP>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FASTATTN_ATTN_TILE_KERNEL_SETUP();
+  using L = Swizzled<DP>;
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sKV = sQ + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
 
-  const int num_qb = (p.Lq + BM - 1) / BM;
-  const int qb = static_cast<int>(blockIdx.x % num_qb);
-  const int64_t bh = blockIdx.x / num_qb;
-  const int b = static_cast<int>(bh / p.H), h = static_cast<int>(bh % p.H);
-  const int hk = h / p.group;
-  const int m0 = qb * BM;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
-  const int wrow = warp * 16;  // this warp's first row in the tile
-  const int r_loc[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};
-  const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
+  const QueryCta cta = query_cta(p, BM);
+  const int64_t bh = cta.bh;
+  const int b = cta.b, h = cta.h, hk = cta.hk, m0 = cta.m0, lane = cta.w.lane, t = cta.w.t,
+            wrow = cta.w.wrow;
+  const int i_row[2] = {cta.i_row[0], cta.i_row[1]};
 
   const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* v_base = p.v + b * p.v_sb + hk * p.v_sh;
-
-  int n_begin, n_end;
-  key_range(p, m0, BM, n_begin, n_end);
-  const int n_first = (n_begin / BN) * BN;
-  const int num_tiles = n_begin < n_end ? (n_end - n_first + BN - 1) / BN : 0;
-  auto load_kv = [&](int stage, int n0) {
-    uint16_t* sK = sKV + stage * 2 * Cfg::KV_ELEMS;
-    load_tile_async<BN, DP, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
-    load_tile_async<BN, DP, NT>(sK + Cfg::KV_ELEMS, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
-  };
+  const KeyTiles tiles = key_tiles(p, m0, BM, BN);
 
   // Prologue: group 0 = Q, group 1 = key tile 0 (empty when there is none).
   load_tile_async<BM, DP, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
   cp_async_commit();
-  if (num_tiles > 0) load_kv(0, n_first);
+  if (tiles.num > 0) load_kv_async<Cfg>(sKV, 0, p, k_base, v_base, tiles.first);
   cp_async_commit();
   cp_async_wait<1>();  // Q has landed (this thread's part) ...
   __syncthreads();     // ... and every thread's
@@ -372,17 +746,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};  // per-lane partial row sums (reduced over the quad at the end)
 
-  for (int it = 0; it < num_tiles; ++it) {
-    const int n0 = n_first + it * BN;
-    // Prefetch tile it + 1 into the other buffer: its last reader (tile it - 1) passed the
-    // barrier at the end of the previous iteration.
-    if (it + 1 < num_tiles) load_kv((it + 1) & 1, n0 + BN);
-    cp_async_commit();
-    cp_async_wait<1>();  // everything but the prefetch: tile it has landed (this thread's part)
-    __syncthreads();     // ... in every thread
-    const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::KV_ELEMS;
-    const uint16_t* sV = sK + Cfg::KV_ELEMS;
-
+  for_each_key_tile<Cfg>(p, tiles, sKV, k_base, v_base, [&](int n0, const uint16_t* sK,
+                                                            const uint16_t* sV) {
     // S = Q K^T for this warp's 16 rows x BN keys.
     float s[BN / 8][4] = {};
 #pragma unroll
@@ -394,13 +759,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
       } else {
         ldsm_a<DP>(a, sQ, wrow, kk * 16, lane);
       }
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t bk[4];
-        ldsm_b<DP>(bk, sK, np * 16, kk * 16, lane);
-        M16::mma(s[2 * np], a, bk[0], bk[1]);
-        M16::mma(s[2 * np + 1], a, bk[2], bk[3]);
-      }
+      mma_xt_step<M16, DP, BN>(s, a, sK, kk * 16, lane);
     }
 
     // Scores in log2 units, -inf where not visible; the tile's row maxima.
@@ -421,13 +780,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
           const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          float v = -INFINITY;
-          if (visible(p, i_row[r], j)) {
-            v = s[nt][e] * p.scale_log2;
-            if (p.mask_kind != MaskKind::kNone) {
-              v += mask_additive(p.mask, p.mask_kind, mask_row[r] + int64_t{j} * p.m_sk) * kLog2e;
-            }
-          }
+          const float v = visible(p, i_row[r], j)
+                              ? score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk)
+                              : -INFINITY;
           s[nt][e] = v;
           mx[r] = fmaxf(mx[r], v);
         }
@@ -471,15 +826,29 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
       acc_to_a<M16>(a, s, ks);
 #pragma unroll
       for (int dp = 0; dp < DP / 16; ++dp) {
-        uint32_t bv[4];
-        ldsm_bt<DP>(bv, sV, ks * 16, dp * 16, lane);
-        M16::mma(o[2 * dp], a, bv[0], bv[1]);
-        M16::mma(o[2 * dp + 1], a, bv[2], bv[3]);
+        mma_block<M16, DP, false>(o[2 * dp], o[2 * dp + 1], a, sV, ks * 16, dp * 16, lane);
       }
     }
-    __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
-  }
+  });
   cp_async_wait<0>();  // nothing may land after the CTA exits (the last group is empty anyway)
+
+  // The NaN rule: a NaN in this warp's accumulators (O or a row sum, rows < Lq) is an attended
+  // non-finite value or a leak; then the warp recomputes its rows on the careful path.
+  float probe = 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (i_row[r] >= p.Lq) continue;
+    probe += l_run[r];
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) probe += o[dt][2 * r] + o[dt][2 * r + 1];
+  }
+  if (__any_sync(0xffffffffu, is_nan(probe))) {  // NaN + anything is NaN (so is inf - inf)
+    for (int row = 0; row < 16; ++row) {
+      const int i = m0 + wrow + row;
+      if (i < p.Lq) fwd_row_careful<M16, DP>(p, bh, b, h, i, stream, lane);
+    }
+    return;
+  }
 
   // Epilogue: normalize; stage O (16-bit) in this warp's own 16 rows of the Q tile (no other
   // warp reads them any more: Q fragments of a warp come from its own rows), then write whole
@@ -498,7 +867,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      *reinterpret_cast<uint32_t*>(sQ + L::offset(r_loc[r], dt * 8 + 2 * t)) =
+      *reinterpret_cast<uint32_t*>(sQ + L::offset(cta.w.row[r], dt * 8 + 2 * t)) =
           M16::pack(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
     }
   }
@@ -513,10 +882,10 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
     if (vec_out) {
       *reinterpret_cast<uint4*>(dst) = v;
     } else {
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        if (col + e < p.Dv) dst[e] = static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2)));
+        if (col + e < p.Dv) dst[e] = static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)));
       }
     }
   }
@@ -558,11 +927,8 @@ __device__ __forceinline__ void acc_add2(float* acc, int row, int col, float x, 
 
 template <typename T, typename Cfg, int SMEM_BYTES>
 __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const AttnParams p) {
-  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
-  using M16 = Mma16<T>;
-  using A = AccTile<Cfg::DP>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  FASTATTN_ATTN_TILE_KERNEL_SETUP();
+  using A = AccTile<DP>;
   uint16_t* sK = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sV = sK + Cfg::K_ELEMS;
   uint16_t* sQ = sV + Cfg::K_ELEMS;
@@ -572,6 +938,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   float* sLse = sdV + Cfg::ACC_ELEMS;  // BM: lse * log2(e) of the current query block
   float* sDelta = sLse + BM;           // BM
 
+  // Decoded here rather than by grid_block() / warp_rows(): with those, ptxas gives the DP = 256
+  // variant 2 more registers (146, against 144; fastattn/aot/cuda.py).
   const int num_kb = (p.Lk + BN - 1) / BN;
   const int kb = static_cast<int>(blockIdx.x % num_kb);
   const int64_t bhk = blockIdx.x / num_kb;
@@ -615,26 +983,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
         // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
         float st[BM / 8][4] = {};
         float dpt[BM / 8][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) {
-          uint32_t a[4];
-          ldsm_a<DP>(a, sK, wrow, kk * 16, lane);
-#pragma unroll
-          for (int np = 0; np < BM / 16; ++np) {
-            uint32_t bq[4];
-            ldsm_b<DP>(bq, sQ, np * 16, kk * 16, lane);
-            M16::mma(st[2 * np], a, bq[0], bq[1]);
-            M16::mma(st[2 * np + 1], a, bq[2], bq[3]);
-          }
-          ldsm_a<DP>(a, sV, wrow, kk * 16, lane);
-#pragma unroll
-          for (int np = 0; np < BM / 16; ++np) {
-            uint32_t bo[4];
-            ldsm_b<DP>(bo, sdO, np * 16, kk * 16, lane);
-            M16::mma(dpt[2 * np], a, bo[0], bo[1]);
-            M16::mma(dpt[2 * np + 1], a, bo[2], bo[3]);
-          }
-        }
+        mma_two_xt<M16, DP, BM>(st, sK, sQ, dpt, sV, sdO, wrow, lane);
         // st <- P^T * Z (operand of dV), dpt <- dS^T (operand of dK).
 #pragma unroll
         for (int nt = 0; nt < BM / 8; ++nt) {
@@ -646,18 +995,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
             const float lse2 = sLse[qc];
             float pz = 0.f, ds = 0.f;
             if (visible(p, i, j) && lse2 != -INFINITY) {
-              float v = st[nt][e] * p.scale_log2;
-              if (p.mask_kind != MaskKind::kNone) {
-                v += mask_additive(p.mask, p.mask_kind,
-                                   mask_base + int64_t{i} * p.m_sl + int64_t{j} * p.m_sk) * kLog2e;
-              }
-              const float pr = exp2f(v - lse2);
-              float z = 1.f;
-              if (p.dropout) {
-                const bool keep = dropout_bits(stream, dropout_row_base(i, p.Lk),
-                                               static_cast<uint32_t>(j)) >= p.threshold;
-                z = keep ? p.rcp_keep : 0.f;
-              }
+              const int64_t mask_off = mask_base + int64_t{i} * p.m_sl + int64_t{j} * p.m_sk;
+              const float pr = exp2f(score_log2(p, st[nt][e], mask_off) - lse2);
+              const float z = dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
               pz = pr * z;
               ds = pr * (dpt[nt][e] * z - sDelta[qc]);
             }
@@ -679,26 +1019,18 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
           if constexpr (Cfg::ACC_IN_REGS) {
 #pragma unroll
             for (int ks = 0; ks < BM / 16; ++ks) {
-              uint32_t bb[4];
-              ldsm_bt<DP>(bb, sdO, ks * 16, dp * 16, lane);
-              M16::mma(acc_dv[2 * dp], a_p[ks], bb[0], bb[1]);
-              M16::mma(acc_dv[2 * dp + 1], a_p[ks], bb[2], bb[3]);
-              ldsm_bt<DP>(bb, sQ, ks * 16, dp * 16, lane);
-              M16::mma(acc_dk[2 * dp], a_ds[ks], bb[0], bb[1]);
-              M16::mma(acc_dk[2 * dp + 1], a_ds[ks], bb[2], bb[3]);
+              mma_block<M16, DP, false>(acc_dv[2 * dp], acc_dv[2 * dp + 1], a_p[ks], sdO, ks * 16,
+                                        dp * 16, lane);
+              mma_block<M16, DP, false>(acc_dk[2 * dp], acc_dk[2 * dp + 1], a_ds[ks], sQ, ks * 16,
+                                        dp * 16, lane);
             }
             continue;
           }
           float cv[2][4] = {}, ck[2][4] = {};
 #pragma unroll
           for (int ks = 0; ks < BM / 16; ++ks) {
-            uint32_t bb[4];
-            ldsm_bt<DP>(bb, sdO, ks * 16, dp * 16, lane);
-            M16::mma(cv[0], a_p[ks], bb[0], bb[1]);
-            M16::mma(cv[1], a_p[ks], bb[2], bb[3]);
-            ldsm_bt<DP>(bb, sQ, ks * 16, dp * 16, lane);
-            M16::mma(ck[0], a_ds[ks], bb[0], bb[1]);
-            M16::mma(ck[1], a_ds[ks], bb[2], bb[3]);
+            mma_block<M16, DP, false>(cv[0], cv[1], a_p[ks], sdO, ks * 16, dp * 16, lane);
+            mma_block<M16, DP, false>(ck[0], ck[1], a_ds[ks], sQ, ks * 16, dp * 16, lane);
           }
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
@@ -716,6 +1048,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   cp_async_wait<0>();  // K / V landed even when no query block was visited
   uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
   uint16_t* dv = p.dv + (int64_t{b} * p.Hkv + hk) * p.Lk * p.Dv;
+  float probe = 0.f;  // the sum of what this thread writes: NaN if any of it is NaN
   if constexpr (Cfg::ACC_IN_REGS) {
     // Lane (g, t) holds keys kr[0], kr[1] x columns dt * 8 + 2t, +1 of dK and dV.
 #pragma unroll
@@ -727,20 +1060,32 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = dt * 8 + 2 * t + e;
-          if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(acc_dk[dt][2 * r + e] * p.scale);
-          if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(acc_dv[dt][2 * r + e]);
+          const float gk = acc_dk[dt][2 * r + e] * p.scale, gv = acc_dv[dt][2 * r + e];
+          if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(gk);
+          if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(gv);
+          probe += (c < p.D ? gk : 0.f) + (c < p.Dv ? gv : 0.f);
         }
       }
     }
-    return;
+  } else {
+    __syncthreads();  // all warps' shared accumulators (and the zero fill) are complete
+    for (int idx = threadIdx.x; idx < BN * DP; idx += NT) {
+      const int r = idx / DP, c = idx % DP;
+      const int j = n0 + r;
+      if (j >= p.Lk) continue;
+      const float gk = sdK[A::offset(r, c)] * p.scale, gv = sdV[A::offset(r, c)];
+      if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(gk);
+      if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(gv);
+      probe += (c < p.D ? gk : 0.f) + (c < p.Dv ? gv : 0.f);
+    }
   }
-  __syncthreads();  // all warps' shared accumulators (and the zero fill) are complete
-  for (int idx = threadIdx.x; idx < BN * DP; idx += NT) {
-    const int r = idx / DP, c = idx % DP;
-    const int j = n0 + r;
-    if (j >= p.Lk) continue;
-    if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(sdK[A::offset(r, c)] * p.scale);
-    if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(sdV[A::offset(r, c)]);
+  // The NaN rule: a NaN in what the CTA wrote is an attended non-finite value or a leak; then
+  // every warp rewrites its 16 keys on the careful path (the barrier orders the writes).
+  if (__syncthreads_or(is_nan(probe))) {
+    for (int row = 0; row < 16; ++row) {
+      const int j = n0 + wrow + row;
+      if (j < p.Lk) dkdv_key_careful<M16, DP>(p, b, hk, j, lane);
+    }
   }
 }
 
@@ -748,27 +1093,20 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
 // Backward 3/3: dQ (and dmask), one CTA per (BM queries, b, h).
 
 template <typename T, typename Cfg, int SMEM_BYTES>
-__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const AttnParams p) {
-  static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");
-  using M16 = Mma16<T>;
-  using A = AccTile<Cfg::DP>;
-  constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+__global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
+    attn_bwd_dq_kernel(const AttnParams p) {
+  FASTATTN_ATTN_TILE_KERNEL_SETUP();
+  using A = AccTile<DP>;
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sdO = sQ + Cfg::Q_ELEMS;
-  uint16_t* sKV = sdO + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s K_ELEMS, V right after it
-  float* sdQ = reinterpret_cast<float*>(sKV + Cfg::STAGES * 2 * Cfg::K_ELEMS);
+  uint16_t* sKV = sdO + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
+  float* sdQ = reinterpret_cast<float*>(sKV + Cfg::STAGES * 2 * Cfg::KV_ELEMS);
 
-  const int num_qb = (p.Lq + BM - 1) / BM;
-  const int qb = static_cast<int>(blockIdx.x % num_qb);
-  const int64_t bh = blockIdx.x / num_qb;
-  const int b = static_cast<int>(bh / p.H), h = static_cast<int>(bh % p.H);
-  const int hk = h / p.group;
-  const int m0 = qb * BM;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
-  const int wrow = warp * 16;
-  const int r_loc[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};
-  const int i_row[2] = {m0 + r_loc[0], m0 + r_loc[1]};
+  const QueryCta cta = query_cta(p, BM);
+  const int64_t bh = cta.bh;
+  const int b = cta.b, h = cta.h, hk = cta.hk, m0 = cta.m0, lane = cta.w.lane, t = cta.w.t,
+            wrow = cta.w.wrow;
+  const int i_row[2] = {cta.i_row[0], cta.i_row[1]};
 
   load_tile_async<BM, DP, NT>(sQ, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
   load_tile_async<BM, DP, NT>(sdO, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0, p.Lq, p.Dv,
@@ -792,109 +1130,74 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dq_kernel(const Att
   const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
   float* dmask_rows = p.dmask != nullptr ? p.dmask + bh * p.Lq * p.Lk : nullptr;
 
-  int n_begin, n_end;
-  key_range(p, m0, BM, n_begin, n_end);
-  const int n_first = (n_begin / BN) * BN;
-  const int num_tiles = n_begin < n_end ? (n_end - n_first + BN - 1) / BN : 0;
-  auto load_kv = [&](int stage, int n0) {
-    uint16_t* sK = sKV + stage * 2 * Cfg::K_ELEMS;
-    load_tile_async<BN, DP, NT>(sK, k_base, p.k_sl, n0, p.Lk, p.D, p.vec_k);
-    load_tile_async<BN, DP, NT>(sK + Cfg::K_ELEMS, v_base, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
-  };
   // Groups: Q / dO (committed above), then key tile 0 (empty when there is none).
-  if (num_tiles > 0) load_kv(0, n_first);
+  const KeyTiles tiles = key_tiles(p, m0, BM, BN);
+  if (tiles.num > 0) load_kv_async<Cfg>(sKV, 0, p, k_base, v_base, tiles.first);
   cp_async_commit();
-  if (num_tiles > 0) {
-    for (int it = 0; it < num_tiles; ++it) {
-      const int n0 = n_first + it * BN;
-      // Prefetch tile it + 1 into the other buffer (its last reader, tile it - 1, passed the
-      // barrier at the end of the previous iteration).
-      if (it + 1 < num_tiles) load_kv((it + 1) & 1, n0 + BN);
-      cp_async_commit();
-      cp_async_wait<1>();  // all but the prefetch: Q / dO and tile it landed (this thread's part)
-      __syncthreads();     // ... in every thread (and, the first time, sdQ's zero fill is done)
-      const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::K_ELEMS;
-      const uint16_t* sV = sK + Cfg::K_ELEMS;
-
-      float s[BN / 8][4] = {};
-      float dp[BN / 8][4] = {};
+  // The first wait also covers Q / dO, and its barrier sdQ's zero fill.
+  for_each_key_tile<Cfg>(p, tiles, sKV, k_base, v_base, [&](int n0, const uint16_t* sK,
+                                                            const uint16_t* sV) {
+    float s[BN / 8][4] = {};
+    float dp[BN / 8][4] = {};
+    mma_two_xt<M16, DP, BN>(s, sQ, sK, dp, sdO, sV, wrow, lane);
+    // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile.
 #pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_a<DP>(a, sQ, wrow, kk * 16, lane);
+    for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int np = 0; np < BN / 16; ++np) {
-          uint32_t bk[4];
-          ldsm_b<DP>(bk, sK, np * 16, kk * 16, lane);
-          M16::mma(s[2 * np], a, bk[0], bk[1]);
-          M16::mma(s[2 * np + 1], a, bk[2], bk[3]);
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int i = i_row[r];
+        const int j = n0 + nt * 8 + 2 * t + (e & 1);
+        float ds = 0.f;
+        if (visible(p, i, j) && lse2[r] != -INFINITY) {
+          const float pr = exp2f(score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk) - lse2[r]);
+          ds = pr * (dp[nt][e] * dropout_scale(p, stream, rng_row[r], j) - delta[r]);
         }
-        ldsm_a<DP>(a, sdO, wrow, kk * 16, lane);
-#pragma unroll
-        for (int np = 0; np < BN / 16; ++np) {
-          uint32_t bv[4];
-          ldsm_b<DP>(bv, sV, np * 16, kk * 16, lane);
-          M16::mma(dp[2 * np], a, bv[0], bv[1]);
-          M16::mma(dp[2 * np + 1], a, bv[2], bv[3]);
-        }
+        if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
+        s[nt][e] = ds;
       }
-      // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile.
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          const int i = i_row[r];
-          const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          float ds = 0.f;
-          if (visible(p, i, j) && lse2[r] != -INFINITY) {
-            float v = s[nt][e] * p.scale_log2;
-            if (p.mask_kind != MaskKind::kNone) {
-              v += mask_additive(p.mask, p.mask_kind, mask_row[r] + int64_t{j} * p.m_sk) * kLog2e;
-            }
-            const float pr = exp2f(v - lse2[r]);
-            float z = 1.f;
-            if (p.dropout) {
-              const bool keep = dropout_bits(stream, rng_row[r], static_cast<uint32_t>(j)) >= p.threshold;
-              z = keep ? p.rcp_keep : 0.f;
-            }
-            ds = pr * (dp[nt][e] * z - delta[r]);
-          }
-          if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
-          s[nt][e] = ds;
-        }
-      }
-      // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
-      uint32_t a_ds[BN / 16][4];
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) acc_to_a<M16>(a_ds[ks], s, ks);
-#pragma unroll
-      for (int dq = 0; dq < DP / 16; ++dq) {
-        float c[2][4] = {};
-#pragma unroll
-        for (int ks = 0; ks < BN / 16; ++ks) {
-          uint32_t bk[4];
-          ldsm_bt<DP>(bk, sK, ks * 16, dq * 16, lane);
-          M16::mma(c[0], a_ds[ks], bk[0], bk[1]);
-          M16::mma(c[1], a_ds[ks], bk[2], bk[3]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int col = dq * 16 + nt * 8 + 2 * t;
-#pragma unroll
-          for (int r = 0; r < 2; ++r) acc_add2<DP>(sdQ, r_loc[r], col, c[nt][2 * r], c[nt][2 * r + 1]);
-        }
-      }
-      __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
     }
-  }
+    // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
+    uint32_t a_ds[BN / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) acc_to_a<M16>(a_ds[ks], s, ks);
+#pragma unroll
+    for (int dq = 0; dq < DP / 16; ++dq) {
+      float c[2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        mma_block<M16, DP, false>(c[0], c[1], a_ds[ks], sK, ks * 16, dq * 16, lane);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = dq * 16 + nt * 8 + 2 * t;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          acc_add2<DP>(sdQ, cta.w.row[r], col, c[nt][2 * r], c[nt][2 * r + 1]);
+        }
+      }
+    }
+  });
   cp_async_wait<0>();  // nothing may land after the CTA exits
   __syncthreads();     // every lane's dQ accumulators (or the zero fill) complete
   uint16_t* dq = p.dq + bh * p.Lq * p.D;
+  float probe = 0.f;  // the sum of what this thread writes: NaN if any of it is NaN
   for (int idx = threadIdx.x; idx < BM * DP; idx += NT) {
     const int r = idx / DP, c = idx % DP;
     const int i = m0 + r;
-    if (i < p.Lq && c < p.D) dq[int64_t{i} * p.D + c] = M16::from_float(sdQ[A::offset(r, c)] * p.scale);
+    if (i < p.Lq && c < p.D) {
+      const float g = sdQ[A::offset(r, c)] * p.scale;
+      dq[int64_t{i} * p.D + c] = M16::from_float(g);
+      probe += g;
+    }
+  }
+  // The NaN rule: a NaN in the CTA's dQ is an attended non-finite value or a leak (a leaked dS
+  // also reaches dQ); then every warp rewrites its 16 rows (and their dmask) carefully.
+  if (__syncthreads_or(is_nan(probe))) {
+    for (int row = 0; row < 16; ++row) {
+      const int i = m0 + wrow + row;
+      if (i < p.Lq) dq_row_careful<M16, DP>(p, bh, b, h, i, stream, lane);
+    }
   }
 }
 
@@ -1032,12 +1335,27 @@ void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
          device, stream, "attention_bwd (dQ)");
 }
 
-template <typename Fn>
-void with_dtype(at::ScalarType dt, Fn&& fn) {
-  if (dt == at::kHalf) {
-    fn(c10::Half{});
+// Runs the forward (kBwd false) or backward kernels of p on q's device and current stream, for
+// q's dtype and the head-dim bucket of max(D, Dv).
+template <bool kBwd>
+void run(const AttnParams& p, const at::Tensor& q) {
+  const int device = q.device().index();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  auto with_bucket = [&](auto tag) {
+    using T = decltype(tag);
+    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
+      constexpr int DP = decltype(dp_const)::value;
+      if constexpr (kBwd) {
+        run_bwd<T, DP>(p, device, stream);
+      } else {
+        run_fwd<T, DP>(p, device, stream);
+      }
+    });
+  };
+  if (q.scalar_type() == at::kHalf) {
+    with_bucket(c10::Half{});
   } else {
-    fn(c10::BFloat16{});
+    with_bucket(c10::BFloat16{});
   }
 }
 
@@ -1054,14 +1372,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
   if (lse.numel() == 0) return {out, lse};
   p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   p.lse = lse.data_ptr<float>();
-  const int device = q.device().index();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  with_dtype(q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
-      run_fwd<T, decltype(dp_const)::value>(p, device, stream);
-    });
-  });
+  run</*kBwd=*/false>(p, q);
   return {out, lse};
 }
 
@@ -1103,23 +1414,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   p.dk = reinterpret_cast<uint16_t*>(dk.data_ptr());
   p.dv = reinterpret_cast<uint16_t*>(dv.data_ptr());
   p.dmask = need_dmask && dmask.numel() > 0 ? dmask.data_ptr<float>() : nullptr;
-  const int device = q.device().index();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  with_dtype(q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
-      run_bwd<T, decltype(dp_const)::value>(p, device, stream);
-    });
-  });
+  run</*kBwd=*/true>(p, q);
   return {dq, dk, dv, dmask};
 }
 
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("attention_fwd", &cuda::attention_fwd_cuda);
-  m.impl("attention_bwd", &cuda::attention_bwd_cuda);
-}
+FASTATTN_CUDA_IMPL_FWD_BWD(attention)
 
 }  // namespace fastattn

@@ -110,16 +110,22 @@ struct ActParams {
   int64_t M, F, pre_stride;
 };
 
-template <typename T, int ACT, bool GATED, int VEC>
-__global__ void __launch_bounds__(256) act_fwd_kernel(ActParams p) {
+// Calls piece(row, c) for every piece of this thread (a grid-stride loop over all M * F / VEC).
+template <int VEC, typename Piece>
+__device__ __forceinline__ void for_each_piece(const ActParams& p, Piece&& piece) {
   const int64_t pieces_per_row = p.F / VEC;
   const int64_t total = p.M * pieces_per_row;
-  const T* pre = static_cast<const T*>(p.pre);
-  T* a = static_cast<T*>(p.a);
   for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t row = idx / pieces_per_row;
-    const int64_t c = (idx % pieces_per_row) * VEC;
+    piece(idx / pieces_per_row, (idx % pieces_per_row) * VEC);
+  }
+}
+
+template <typename T, int ACT, bool GATED, int VEC>
+__global__ void __launch_bounds__(256) act_fwd_kernel(ActParams p) {
+  const T* pre = static_cast<const T*>(p.pre);
+  T* a = static_cast<T*>(p.a);
+  for_each_piece<VEC>(p, [&](int64_t row, int64_t c) {
     const T* src = pre + row * p.pre_stride + c;
     const Vec<T, VEC> h = load_vec<T, VEC>(src);
     Vec<T, VEC> out;
@@ -132,22 +138,17 @@ __global__ void __launch_bounds__(256) act_fwd_kernel(ActParams p) {
       for (int e = 0; e < VEC; ++e) out.v[e] = from_float<T>(act_f<ACT>(to_float(h.v[e])));
     }
     store_vec<T, VEC>(a + row * p.F + c, out);
-  }
+  });
 }
 
 template <typename T, int ACT, bool GATED, int VEC>
 __global__ void __launch_bounds__(256) act_bwd_kernel(ActParams p) {
-  const int64_t pieces_per_row = p.F / VEC;
-  const int64_t total = p.M * pieces_per_row;
   const int64_t F1 = GATED ? 2 * p.F : p.F;
   const T* pre = static_cast<const T*>(p.pre);
   const T* da = static_cast<const T*>(p.da);
   T* a = static_cast<T*>(p.a);
   T* dpre = static_cast<T*>(p.dpre);
-  for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < total;
-       idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t row = idx / pieces_per_row;
-    const int64_t c = (idx % pieces_per_row) * VEC;
+  for_each_piece<VEC>(p, [&](int64_t row, int64_t c) {
     const T* src = pre + row * p.pre_stride + c;
     const Vec<T, VEC> h = load_vec<T, VEC>(src);
     const Vec<T, VEC> g = load_vec<T, VEC>(da + row * p.F + c);
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(256) act_bwd_kernel(ActParams p) {
     }
     store_vec<T, VEC>(dpre + row * F1 + c, out_d);
     store_vec<T, VEC>(a + row * p.F + c, out_a);
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -321,18 +322,26 @@ int64_t hidden_width(const at::Tensor& w1, ActSpec spec, const std::string& acti
   return w1.size(0);
 }
 
-std::tuple<at::Tensor, at::Tensor> ffn_fwd_cuda(const at::Tensor& x, const at::Tensor& w1,
-                                                const std::optional<at::Tensor>& b1,
-                                                const at::Tensor& w2,
-                                                const std::optional<at::Tensor>& b2,
-                                                c10::string_view activation_sv) {
-  const std::string activation(activation_sv);
+// The checks ffn_fwd and ffn_bwd share: x a CUDA (M, D) matrix of a float dtype (not float64),
+// w1 and w2 matrices beside it. Returns the activation's spec.
+ActSpec check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                         const std::string& activation) {
   const ActSpec spec = parse_activation(activation);
   check_cuda_tensor(x, "x");
   check_rows(x, "x");
   check_float_dtype(x, "x", /*allow_double=*/false);
   check_matrix(w1, "w1", x);
   check_matrix(w2, "w2", x);
+  return spec;
+}
+
+std::tuple<at::Tensor, at::Tensor> ffn_fwd_cuda(const at::Tensor& x, const at::Tensor& w1,
+                                                const std::optional<at::Tensor>& b1,
+                                                const at::Tensor& w2,
+                                                const std::optional<at::Tensor>& b2,
+                                                c10::string_view activation_sv) {
+  const std::string activation(activation_sv);
+  const ActSpec spec = check_ffn_inputs(x, w1, w2, activation);
   const int64_t M = x.size(0), D = x.size(1), F1 = w1.size(0), D2 = w2.size(0);
   const int64_t F = hidden_width(w1, spec, activation);
   TORCH_CHECK(w1.size(1) == D, "w1 must have shape (", spec.gated ? "2F" : "F", ", ", D,
@@ -368,12 +377,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& pre, c10::string_view activation_sv, std::array<bool, 2> output_mask) {
   const std::string activation(activation_sv);
-  const ActSpec spec = parse_activation(activation);
-  check_cuda_tensor(x, "x");
-  check_rows(x, "x");
-  check_float_dtype(x, "x", /*allow_double=*/false);
-  check_matrix(w1, "w1", x);
-  check_matrix(w2, "w2", x);
+  const ActSpec spec = check_ffn_inputs(x, w1, w2, activation);
   check_matrix(dout, "dout", x);
   check_matrix(pre, "pre", x);
   check_rows(pre, "pre");
@@ -413,9 +417,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("ffn_fwd", &cuda::ffn_fwd_cuda);
-  m.impl("ffn_bwd", &cuda::ffn_bwd_cuda);
-}
+FASTATTN_CUDA_IMPL_FWD_BWD(ffn)
 
 }  // namespace fastattn

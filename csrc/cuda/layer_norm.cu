@@ -95,6 +95,19 @@ struct BwdParams {
   bool acc_shared;  // dweight / dbias accumulators in shared memory (else in part_w / part_b)
 };
 
+// A thread's row group (a warp, or the whole block; every group of a block works on one row at a
+// time): the group's size, the number of groups in the block, the thread's group and its index t
+// in it.
+struct RowGroup {
+  int size, count, index, t;
+};
+template <bool kWarp>
+__device__ __forceinline__ RowGroup row_group() {
+  const int size = kWarp ? kWarpSize : static_cast<int>(blockDim.x);
+  return {size, static_cast<int>(blockDim.x) / size, static_cast<int>(threadIdx.x) / size,
+          static_cast<int>(threadIdx.x) % size};
+}
+
 // Sum over a row group: a warp, or the whole block.
 template <bool kWarp>
 __device__ __forceinline__ float group_sum(float v, float* red) {
@@ -112,10 +125,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads) layer_norm_fwd_kernel(const 
   using VW = Vec<W, kVec>;
   extern __shared__ float4 smem[];
   __shared__ float red[kWarpSize];
-  const int group_size = kWarp ? kWarpSize : static_cast<int>(blockDim.x);
-  const int groups = static_cast<int>(blockDim.x) / group_size;
-  const int group = static_cast<int>(threadIdx.x) / group_size;
-  const int t = static_cast<int>(threadIdx.x) % group_size;
+  const auto [group_size, groups, group, t] = row_group<kWarp>();
   const int nvec = p.n / kVec;
   VT* cache = reinterpret_cast<VT*>(smem) + static_cast<int64_t>(group) * nvec;
   const VW* w = reinterpret_cast<const VW*>(p.weight);
@@ -210,10 +220,7 @@ __global__ void __launch_bounds__(kWarp ? kWarpsPerBlock * kWarpSize : kMaxBlock
   using VW = Vec<W, kVec>;
   extern __shared__ float4 smem[];
   __shared__ float red[kWarpSize];
-  const int group_size = kWarp ? kWarpSize : static_cast<int>(blockDim.x);
-  const int groups = static_cast<int>(blockDim.x) / group_size;
-  const int group = static_cast<int>(threadIdx.x) / group_size;
-  const int t = static_cast<int>(threadIdx.x) % group_size;
+  const auto [group_size, groups, group, t] = row_group<kWarp>();
   const int n = p.n;
   const int nvec = n / kVec;
   const int64_t acc_len = static_cast<int64_t>(groups) * n;  // one kind of accumulator, all groups
@@ -617,9 +624,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("layer_norm_fwd", &cuda::layer_norm_fwd_cuda);
-  m.impl("layer_norm_bwd", &cuda::layer_norm_bwd_cuda);
-}
+FASTATTN_CUDA_IMPL_FWD_BWD(layer_norm)
 
 }  // namespace fastattn

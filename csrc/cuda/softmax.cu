@@ -341,70 +341,54 @@ void with_elems(int e, Fn&& fn) {
   }
 }
 
-template <typename T>
-void launch_fwd(const FwdParams& p, bool vec_ok, cudaStream_t stream) {
+// Launches the forward (Params = FwdParams) or the backward (BwdParams) kernel for p: the
+// warp-per-row kernel with E elements per lane for rows up to kMaxWarpRow, else the
+// block-per-row one; 16-byte vectors (V elements) when vec_ok and, on the warp path, E >= V.
+template <typename T, typename Params>
+void launch(const Params& p, bool vec_ok, cudaStream_t stream) {
+  constexpr bool kFwd = std::is_same_v<Params, FwdParams>;
   constexpr int V = kVec16<T>;
   if (p.Lk <= kMaxWarpRow) {
     const unsigned grid = grid_1d(ceil_div(p.rows, kWarpRowsPerBlock));
     with_elems(warp_elems(p.Lk), [&](auto e_const) {
       constexpr int E = decltype(e_const)::value;
-      if constexpr (E >= V) {
-        if (vec_ok) {
-          softmax_fwd_warp_kernel<T, V, E / V><<<grid, kWarpThreads, 0, stream>>>(p);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          return;
+      auto warp_kernel = [&](auto vec_const) {
+        constexpr int VEC = decltype(vec_const)::value;
+        if constexpr (kFwd) {
+          softmax_fwd_warp_kernel<T, VEC, E / VEC><<<grid, kWarpThreads, 0, stream>>>(p);
+        } else {
+          softmax_bwd_warp_kernel<T, VEC, E / VEC><<<grid, kWarpThreads, 0, stream>>>(p);
         }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if constexpr (E >= V) {
+        if (vec_ok) return warp_kernel(std::integral_constant<int, V>{});
       }
-      softmax_fwd_warp_kernel<T, 1, E><<<grid, kWarpThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      warp_kernel(std::integral_constant<int, 1>{});
     });
     return;
   }
   const unsigned grid = grid_1d(p.rows);
-  const bool cache = p.Lk <= kMaxCachedRow;
-  const size_t smem = cache ? static_cast<size_t>(p.Lk) * sizeof(float) : 0;
-  if (vec_ok) {
-    const int threads = block_threads(ceil_div(p.Lk, V));
-    if (cache) {
-      softmax_fwd_block_kernel<T, V, true><<<grid, threads, smem, stream>>>(p);
-    } else {
-      softmax_fwd_block_kernel<T, V, false><<<grid, threads, 0, stream>>>(p);
-    }
-  } else {
-    const int threads = block_threads(p.Lk);
-    if (cache) {
+  const int threads = block_threads(vec_ok ? ceil_div(p.Lk, V) : p.Lk);
+  if constexpr (kFwd) {
+    // Rows up to kMaxCachedRow keep their scores in shared memory between the passes.
+    const bool cache = p.Lk <= kMaxCachedRow;
+    const size_t smem = cache ? static_cast<size_t>(p.Lk) * sizeof(float) : 0;
+    if (vec_ok) {
+      if (cache) {
+        softmax_fwd_block_kernel<T, V, true><<<grid, threads, smem, stream>>>(p);
+      } else {
+        softmax_fwd_block_kernel<T, V, false><<<grid, threads, 0, stream>>>(p);
+      }
+    } else if (cache) {
       softmax_fwd_block_kernel<T, 1, true><<<grid, threads, smem, stream>>>(p);
     } else {
       softmax_fwd_block_kernel<T, 1, false><<<grid, threads, 0, stream>>>(p);
     }
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T>
-void launch_bwd(const BwdParams& p, bool vec_ok, cudaStream_t stream) {
-  constexpr int V = kVec16<T>;
-  if (p.Lk <= kMaxWarpRow) {
-    const unsigned grid = grid_1d(ceil_div(p.rows, kWarpRowsPerBlock));
-    with_elems(warp_elems(p.Lk), [&](auto e_const) {
-      constexpr int E = decltype(e_const)::value;
-      if constexpr (E >= V) {
-        if (vec_ok) {
-          softmax_bwd_warp_kernel<T, V, E / V><<<grid, kWarpThreads, 0, stream>>>(p);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          return;
-        }
-      }
-      softmax_bwd_warp_kernel<T, 1, E><<<grid, kWarpThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-    return;
-  }
-  const unsigned grid = grid_1d(p.rows);
-  if (vec_ok) {
-    softmax_bwd_block_kernel<T, V><<<grid, block_threads(ceil_div(p.Lk, V)), 0, stream>>>(p);
+  } else if (vec_ok) {
+    softmax_bwd_block_kernel<T, V><<<grid, threads, 0, stream>>>(p);
   } else {
-    softmax_bwd_block_kernel<T, 1><<<grid, block_threads(p.Lk), 0, stream>>>(p);
+    softmax_bwd_block_kernel<T, 1><<<grid, threads, 0, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -450,7 +434,7 @@ at::Tensor softmax_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>
                       strides_multiple_of({p.sx0, p.sx1, p.sx2}, V);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "softmax_fwd_cuda",
-                                    [&] { launch_fwd<scalar_t>(p, vec_ok, stream); });
+                                    [&] { launch<scalar_t>(p, vec_ok, stream); });
   return y;
 }
 
@@ -484,16 +468,13 @@ at::Tensor softmax_bwd_cuda(const at::Tensor& dy, const at::Tensor& y, double sc
                       strides_multiple_of({p.sd0, p.sd1, p.sd2, p.sy0, p.sy1, p.sy2}, V);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.device().index()).stream();
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(y.scalar_type(), "softmax_bwd_cuda",
-                                    [&] { launch_bwd<scalar_t>(p, vec_ok, stream); });
+                                    [&] { launch<scalar_t>(p, vec_ok, stream); });
   return dx;
 }
 
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("softmax_fwd", &cuda::softmax_fwd_cuda);
-  m.impl("softmax_bwd", &cuda::softmax_bwd_cuda);
-}
+FASTATTN_CUDA_IMPL_FWD_BWD(softmax)
 
 }  // namespace fastattn

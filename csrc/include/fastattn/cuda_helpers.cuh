@@ -13,7 +13,8 @@
 //   sum-of-exp2) pair of an online softmax;
 // - MaskKind and mask_additive(): how every kernel reads a user mask (bool True = keep, or any
 //   floating dtype added) through its strides, as an additive value (0 / -inf for bool);
-// - host: argument checks, ceil_div and grid sizes, the opt-in shared-memory limit.
+// - host: argument checks, ceil_div and grid sizes, the opt-in shared-memory limit;
+// - FASTATTN_CUDA_IMPL_FWD_BWD: the CUDA registration of an op's _fwd / _bwd schemas.
 //
 // Conventions: every global offset is int64_t; kernels that loop over rows or elements use
 // grid-stride loops, so a grid capped by grid_1d() still covers any size.
@@ -30,6 +31,7 @@
 #endif
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -255,3 +257,12 @@ inline unsigned grid_1d(int64_t blocks) {
 
 }  // namespace cuda_helpers
 }  // namespace fastattn
+
+// Registers cuda::NAME_fwd_cuda and cuda::NAME_bwd_cuda (defined in the including file, inside
+// namespace fastattn) as the CUDA kernels of the schemas NAME_fwd and NAME_bwd of
+// csrc/fastattn.cpp. Used at namespace fastattn scope, once per op.
+#define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)             \
+  TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {             \
+    m.impl(#NAME "_fwd", &cuda::NAME##_fwd_cuda);     \
+    m.impl(#NAME "_bwd", &cuda::NAME##_bwd_cuda);     \
+  }

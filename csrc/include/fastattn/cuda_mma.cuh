@@ -32,51 +32,46 @@
 namespace fastattn {
 namespace cuda_helpers {
 
-// Storage type T (c10::Half / c10::BFloat16) <-> raw 16-bit patterns and packed pairs.
+// Storage type T (c10::Half / c10::BFloat16) <-> raw 16-bit patterns and packed pairs, and the
+// mma of that operand type. One template for both: the two types differ only in the intrinsics
+// picked by `kHalf` at compile time.
 template <typename T>
-struct Mma16;
+struct Mma16 {
+  static constexpr bool kHalf = std::is_same_v<T, c10::Half>;
+  static_assert(kHalf || std::is_same_v<T, c10::BFloat16>, "mma operands are float16 or bfloat16");
 
-template <>
-struct Mma16<c10::Half> {
   __device__ __forceinline__ static float to_float(uint16_t bits) {
-    return __half2float(__ushort_as_half(bits));
+    if constexpr (kHalf) {
+      return __half2float(__ushort_as_half(bits));
+    } else {
+      return __bfloat162float(__ushort_as_bfloat16(bits));
+    }
   }
   __device__ __forceinline__ static uint16_t from_float(float x) {
-    return __half_as_ushort(__float2half_rn(x));
+    if constexpr (kHalf) {
+      return __half_as_ushort(__float2half_rn(x));
+    } else {
+      return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    }
   }
   // Two floats as one .b32 operand: `lo` in bits 0..15 (the smaller k / column index).
   __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
     return static_cast<uint32_t>(from_float(lo)) | (static_cast<uint32_t>(from_float(hi)) << 16);
   }
-  // d += a * b
+  // d += a * b (the asm text must be a literal: one statement per operand type).
   __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <>
-struct Mma16<c10::BFloat16> {
-  __device__ __forceinline__ static float to_float(uint16_t bits) {
-    return __bfloat162float(__ushort_as_bfloat16(bits));
-  }
-  __device__ __forceinline__ static uint16_t from_float(float x) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    return static_cast<uint32_t>(from_float(lo)) | (static_cast<uint32_t>(from_float(hi)) << 16);
-  }
-  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define FASTATTN_MMA_M16N8K16(TYPE)                                                           \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                 \
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"             \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+    if constexpr (kHalf) {
+      FASTATTN_MMA_M16N8K16("f16");
+    } else {
+      FASTATTN_MMA_M16N8K16("bf16");
+    }
+#undef FASTATTN_MMA_M16N8K16
   }
 };
 
