@@ -116,8 +116,11 @@ CALLS: dict[str, list[Step]] = {
         _INSTALL, _BUILD,
         Step("info", [*_CLI, "info"], 15),
         *_smokes("cuda"),
-        Step("test-cuda", _pytest("tests/test_cuda_kernels.py", junit="cuda", workers=8,
-                                  timeout=100), 120, {"CUDA_LAUNCH_BLOCKING": "1"}),
+        # (+ the NaN rule's cuda cases: the careful paths run on no other call with blocking
+        # launches, and nowhere but a GPU)
+        Step("test-cuda", _pytest("tests/test_cuda_kernels.py", "tests/test_nan.py", "-k", "cuda",
+                                  junit="cuda", workers=8, timeout=100), 120,
+             {"CUDA_LAUNCH_BLOCKING": "1"}),
     ],
     # 3. The quick benchmark: attention D64/D128, L 1k-16k, fwd and fwd+bwd, causal and not,
     #    bf16, against each SDPA backend and FlexAttention; softmax and layer norm bandwidth.
