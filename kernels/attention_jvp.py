@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .attention import _configs, _dot, _key_tiles, _load_rows, _prune, _query_block, _scores
-from .attention_launch import _prepare, _strides3, _unit_last_stride
+from .attention_launch import _prepare, _strides3
 from .rng import dropout_keep
 
 _JVP_CONFIGS = _configs(
@@ -195,7 +196,10 @@ def attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, 
     dtype, tlse (B, H, Lq) float32."""
     c = _prepare(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
     B, H, Lq, Dv, q, k, v = c.B, c.H, c.Lq, c.Dv, c.q, c.k, c.v
-    tq, tk, tv = (None if t is None else _unit_last_stride(t) for t in (tq, tk, tv))
+    # absent tangents: their primal stands in as an unused pointer (HAS_T* False)
+    tq_, tk_, tv_ = (p if t is None else t for t, p in ((tq, q), (tk, k), (tv, v)))
+    for name, t in (("tq", tq_), ("tk", tk_), ("tv", tv_)):
+        tuning.check_layout("attention JVP", name, t, (q.dtype,))
     tout = torch.empty((B, H, Lq, Dv), dtype=q.dtype, device=q.device)
     tlse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if B * H == 0:
@@ -206,10 +210,8 @@ def attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, 
 
     kernel = torch.library.wrap_triton(_attn_jvp_kernel)[grid]
     kernel(
-        q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
-        c.mask, q if tmask is None else tmask, tout, tlse,
-        *_strides3(q, k, v, q if tq is None else tq, k if tk is None else tk,
-                   v if tv is None else tv, tout),
+        q, k, v, tq_, tk_, tv_, c.mask, q if tmask is None else tmask, tout, tlse,
+        *_strides3(q, k, v, tq_, tk_, tv_, tout),
         *c.mask_strides, *((0, 0, 0, 0) if tmask is None else tmask.stride()), *c.scalars,
         HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
         HAS_TMASK=tmask is not None, **c.consts,

@@ -26,12 +26,14 @@ tma_status = descriptors.tma_status
 def _dims(q, k, v, mask=None):
     """``(B, H, Hkv, Lq, Lk, D, Dv)`` of q, k, v, and the limits of these kernels. The arguments
     themselves (ranks, shapes, dtypes, devices, mask, dropout_p) are checked once, in
-    fastattn.ops before any backend runs; what only the kernels know is checked here, cheaply:
-    the dtypes they are built for, head dims up to 256, and offsets within one (batch, head) slice that fit in int32 (the
+    fastattn.ops before any backend runs, which also gives every tensor a unit last stride;
+    what only the kernels know is checked here, cheaply: the dtypes and layout they are built
+    for, head dims up to 256, and offsets within one (batch, head) slice that fit in int32 (the
     kernels add ``row * stride`` in 32 bits to an int64 slice base)."""
     B, H, Lq, D = q.shape
     _, Hkv, Lk, Dv = v.shape
-    tuning.check_layout("attention", "q", q, _DTYPES)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        tuning.check_layout("attention", name, x, _DTYPES)
     if max(D, Dv) > _MAX_HEAD_DIM:
         raise ValueError(f"the triton attention kernels take head dims up to {_MAX_HEAD_DIM}: "
                          f"q {tuple(q.shape)}, v {tuple(v.shape)}")
@@ -41,11 +43,6 @@ def _dims(q, k, v, mask=None):
             raise ValueError(f"{name} {tuple(x.shape)} with strides {x.stride()}: offsets within "
                              f"one (batch, head) slice must fit in int32")
     return B, H, Hkv, Lq, Lk, D, Dv
-
-
-def _unit_last_stride(x):
-    """``x`` itself when its last dim has stride 1 (or size 1), else a contiguous copy."""
-    return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
 
 
 def _band(Lq, Lk, offset, left, right):
@@ -102,7 +99,7 @@ def _strides3(*tensors):
 @dataclasses.dataclass
 class _Call:
     """What every launcher of these kernels (forward, backward, JVP) derives from its arguments
-    in the same way: the dims, q/k/v with a unit last stride, the mask tensor and its strides,
+    in the same way: the dims, q/k/v, the mask tensor and its strides,
     the scalar arguments and the constexprs they share."""
     B: int
     H: int
@@ -127,7 +124,6 @@ class _Call:
 
 def _prepare(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
     B, H, Hkv, Lq, Lk, D, Dv = _dims(q, k, v, mask)
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     scale = float(scale)
     band_lo, band_hi, lo_bounded, hi_bounded = _band(Lq, Lk, offset, left, right)
     mask_t, mask_strides, has_mask, mask_bool = _mask_args(mask, q)
@@ -208,8 +204,8 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
     """
     c = _prepare(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
     B, H, Hkv, Lq, Lk, D, Dv, q, k, v = c.B, c.H, c.Hkv, c.Lq, c.Lk, c.D, c.Dv, c.q, c.k, c.v
-    out = _unit_last_stride(out)
-    dout = _unit_last_stride(dout.to(q.dtype))
+    for name, x in (("out", out), ("dout", dout)):
+        tuning.check_layout("attention", name, x, (q.dtype,))
     lse = lse.contiguous()
     dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Lk, D), dtype=k.dtype, device=q.device)

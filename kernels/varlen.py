@@ -463,8 +463,8 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
     D, Dv = _limits(q, k, v)
     H, Hkv, batch = q.shape[1], k.shape[1], cu_q.shape[0] - 1
     total_q = q.shape[0]
-    dout = dout.to(q.dtype)
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    for name, x in (("out", out), ("dout", dout)):
+        tuning.check_layout("packed/paged attention", name, x, (q.dtype,))
     lse = lse.contiguous()
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)

@@ -207,6 +207,7 @@ def _triton_fwd(
     seed: int,
 ) -> tuple[Tensor, Tensor]:
     _check_op(q, k, v, mask, dropout_p)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))  # the layout the kernels take
     return _kernels.attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
 
 
@@ -229,6 +230,7 @@ def _triton_bwd(
     B, H, Lq, _ = q.shape
     _check_op(q, k, v, mask, dropout_p, dout=(dout, (B, H, Lq, v.shape[-1]), q.dtype),
               out=(out, (B, H, Lq, v.shape[-1]), q.dtype), lse=(lse, (B, H, Lq), torch.float32))
+    dout, q, k, v, out = (last_dim_contiguous(t) for t in (dout, q, k, v, out))
     dq, dk, dv, dmask = _kernels.attention_backward(
         dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed, need_dmask
     )
@@ -266,6 +268,7 @@ def _triton_jvp(
         raise ValueError(f"tmask (the mask's tangent) needs a float mask of its shape, got mask "
                          f"{None if mask is None else mask.dtype}")
     _check_op(q, k, v, mask, dropout_p, **tangents)
+    q, k, v, tq, tk, tv = (last_dim_contiguous(t) for t in (q, k, v, tq, tk, tv))
     return _jvp_kernels.attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right,
                                       dropout_p, seed)
 

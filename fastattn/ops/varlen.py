@@ -147,6 +147,7 @@ def _triton_bwd(
     rows = (*q.shape[:2], v.shape[-1])
     check_like(q.device, dout=(dout, rows, q.dtype), out=(out, rows, q.dtype),
                lse=(lse, q.shape[1::-1], torch.float32))
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
     return _kernels.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, scale, bottom_right, left,
                                     right, dropout_p, seed)
