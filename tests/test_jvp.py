@@ -292,6 +292,18 @@ def test_opcheck_jvp_ops(op, device, one_thread):
         torch.testing.assert_close(batched[i], op(q, k, v, mask, None, None, tvs[i], None, 0.25, 2, 3, 0, 0.0, 0)[0])
 
 
+@pytest.mark.parametrize("op,device", [p for p in _jvp_ops() if p.id == "triton_attention_jvp"])
+def test_triton_jvp_op_checks_its_arguments(op, device):
+    """Called directly through torch.ops, the Triton JVP op checks its tangents (fastattn.ops),
+    a mask tangent without a float mask included, before any kernel runs."""
+    q = torch.randn(1, 2, 5, 16, device=device)
+    kv = torch.randn(1, 1, 7, 16, device=device)
+    with pytest.raises(ValueError, match="tmask"):
+        op(q, kv, kv, None, None, None, None, torch.zeros(1, 2, 5, 7, device=device), 0.25, 0, 7, 7, 0.0, 0)
+    with pytest.raises(ValueError, match="tq must have shape"):
+        op(q, kv, kv, None, q[:, :1], None, None, None, 0.25, 0, 7, 7, 0.0, 0)
+
+
 @pytest.mark.parametrize("backend,device", [p for p in JVP_BACKENDS if p.values[0] != "naive"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fused_jvp_16bit_within_twice_naives_error(backend, device, dtype, one_thread):

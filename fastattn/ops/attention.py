@@ -262,11 +262,11 @@ def _triton_jvp(
     dropout_p: float,
     seed: int,
 ) -> tuple[Tensor, Tensor]:
-    tangents = {name: (t, p.shape, p.dtype) for name, t, p in
-                (("tq", tq, q), ("tk", tk, k), ("tv", tv, v), ("tmask", tmask, mask)) if t is not None}
     if tmask is not None and (mask is None or mask.dtype == torch.bool):
         raise ValueError(f"tmask (the mask's tangent) needs a float mask of its shape, got mask "
                          f"{None if mask is None else mask.dtype}")
+    tangents = {name: (t, p.shape, p.dtype) for name, t, p in
+                (("tq", tq, q), ("tk", tk, k), ("tv", tv, v), ("tmask", tmask, mask)) if t is not None}
     _check_op(q, k, v, mask, dropout_p, **tangents)
     q, k, v, tq, tk, tv = (last_dim_contiguous(t) for t in (q, k, v, tq, tk, tv))
     return _jvp_kernels.attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right,
