@@ -192,3 +192,18 @@ def test_token_counting_cases_get_a_tokens_per_second_column(tiny_run):
     softmax = [r for r in results if r.op == "softmax"]
     assert "tok/s" not in bench.columns(softmax)
     assert [bench._fmt_count(v) for v in (950, 12_340, 4_560_000, 1.2e9, None)] == ["950", "12.3k", "4.56M", "1.2G", "-"]
+
+
+def test_references_run_on_one_blas_thread():
+    """The float64 references run with NumPy's OpenBLAS on one thread (its workers busy-wait after
+    a call and would slow the provider timed next); the count is restored afterwards."""
+    import numpy as np
+
+    np.ones((64, 64)) @ np.ones((64, 64))  # make sure NumPy's BLAS is loaded
+    setters = bench._openblas_thread_setters()
+    if not setters:
+        pytest.skip("NumPy's BLAS here is not an OpenBLAS")
+    before = [get() for get, _ in setters]
+    with bench.one_blas_thread():
+        assert [get() for get, _ in setters] == [1] * len(setters)
+    assert [get() for get, _ in setters] == before

@@ -13,6 +13,8 @@ Timing: ``triton.testing.do_bench`` on a GPU; on a CPU, the median of repeated w
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -147,6 +149,51 @@ def time_fn(
     return statistics.median(times), q[1], q[7]
 
 
+def _openblas_thread_setters() -> list[tuple[Callable, Callable]]:
+    """(get, set) thread-count functions of every OpenBLAS this process has loaded (NumPy's
+    wheels bundle one, with prefixed names); empty where there is none or no /proc."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return []
+    found = []
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                put = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    found.append((get, put))
+                    break
+            else:
+                continue
+            break
+    return found
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """Run NumPy's BLAS (the float64 references) on the calling thread only. OpenBLAS's worker
+    threads busy-wait for a while after each call; on a machine with few cores they then take
+    the CPU from whatever is timed next (measured on 2 cores: an FFN timed just after a 1024^2
+    float64 matmul ran at 35-74 ms instead of 19). The first provider of every case is timed
+    right after its reference, so without this it alone paid for it."""
+    setters = _openblas_thread_setters()
+    before = [get() for get, _ in setters]
+    for _, put in setters:
+        put(1)
+    try:
+        yield
+    finally:
+        for (_, put), n in zip(setters, before):
+            put(n)
+
+
 _PEAKS: dict[tuple[str, str], dict[str, Any]] = {}
 
 
@@ -273,7 +320,8 @@ def run_case(
     ref_error = None
     try:
         if case.reference is not None:
-            ref = case.reference(*inputs)
+            with one_blas_thread():
+                ref = case.reference(*inputs)
     except Exception as exc:  # a reference that cannot run leaves the error column empty
         ref_error = exc
     rows = []
@@ -304,7 +352,8 @@ def run_case(
             if check and case.mode != "fwd" and case.grad_reference is not None:
                 if grad_ref is None:
                     try:
-                        grad_ref = case.grad_reference(inputs, to_numpy(dout))
+                        with one_blas_thread():
+                            grad_ref = case.grad_reference(inputs, to_numpy(dout))
                     except Exception:
                         grad_ref = []
                 errs = [max_error(_corner(g, r), r) for g, r in zip(grads, grad_ref) if r is not None and g is not None]
