@@ -384,6 +384,14 @@ def _differentiable_backward(q, k, v, mask, args, dout, dlse, needs, create=Fals
     return dq, dk, dv, dmask
 
 
+try:  # what torch's Function.apply uses on its way to the C++ apply (see _Attention.apply)
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+
+    _FAST_APPLY = hasattr(torch._C, "_are_functorch_transforms_active")
+except ImportError:  # pragma: no cover - a torch without them takes torch's own path
+    _FAST_APPLY = False
+
+
 class _Attention(torch.autograd.Function):
     """A compiled backend's forward op with all three derivatives: backward by its fused kernel
     (or, for ``create_graph=True`` and for a gradient flowing into lse, by
@@ -392,8 +400,24 @@ class _Attention(torch.autograd.Function):
 
     generate_vmap_rule = True
 
+    @classmethod
+    def apply(cls, *args):
+        """torch's ``Function.apply`` binds default arguments through ``inspect.signature`` on
+        every call of a Function with ``setup_context`` (~180 us of the ~440 us a small CPU call
+        took, measured). :meth:`forward` has no defaults and is always called with all its
+        arguments, so outside functorch's transforms this goes straight to the C++ apply, as
+        torch's own ``apply`` does after binding; under them, torch's path."""
+        if _FAST_APPLY and not torch._C._are_functorch_transforms_active():
+            return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
+        return super().apply(*args)
+
     @staticmethod
     def forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed, fwd, bwd, jvp, name):
+        if _FAST_APPLY and not torch._C._are_functorch_transforms_active():
+            # This Function is the op's autograd: skip the registered op's own (Python) autograd
+            # layer, which would only redispatch below autograd (~20 us a call, measured).
+            with torch._C._AutoDispatchBelowAutograd():
+                return fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
         return fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
 
     @staticmethod
@@ -585,6 +609,14 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _broadcast(*shapes) -> tuple:
+    """torch.broadcast_shapes, without its cost (~30 us) in the common case of equal shapes."""
+    first = tuple(shapes[0])
+    if all(tuple(s) == first for s in shapes[1:]):
+        return torch.Size(first)
+    return torch.broadcast_shapes(*shapes)
+
+
 def _sdpa_shapes(q, k, v, attn_mask, dropout_p, enable_gqa):
     """torch's rules for scaled_dot_product_attention's arguments. Returns ``(batch, H, Hkv)``:
     the broadcast leading dims before the heads, and the query and key/value head counts."""
@@ -613,9 +645,9 @@ def _sdpa_shapes(q, k, v, attn_mask, dropout_p, enable_gqa):
                 raise ValueError(f"key {list(k.shape)} and value {list(v.shape)} must share the heads (dim -3)")
             if hkv == 0 or H % hkv:
                 raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({hkv}) (dim -3)")
-            batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+            batch = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         else:
-            lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            lead = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
             batch, H = (lead[:-1], lead[-1]) if lead else (torch.Size(), 1)
             hkv = H
     except RuntimeError:
@@ -630,7 +662,7 @@ def _sdpa_shapes(q, k, v, attn_mask, dropout_p, enable_gqa):
             raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}")
         target = (*batch, H, q.shape[-2], k.shape[-2])
         try:
-            if attn_mask.dim() > len(target) or torch.broadcast_shapes(attn_mask.shape, target) != target:
+            if attn_mask.dim() > len(target) or _broadcast(attn_mask.shape, target) != target:
                 raise RuntimeError
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {list(attn_mask.shape)} is not broadcastable to the "
@@ -684,6 +716,8 @@ def scaled_dot_product_attention(
     B = math.prod(batch)
 
     def four_d(t: Tensor, heads: int) -> Tensor:  # (*batch, heads, len, dim) -> (B, heads, len, dim)
+        if t.dim() == 4 and t.shape[:2] == (B, heads):
+            return t
         return t.expand(*batch, heads, *t.shape[-2:]).reshape(B, heads, *t.shape[-2:])
 
     q, k, v = four_d(query, H), four_d(key, hkv), four_d(value, hkv)
