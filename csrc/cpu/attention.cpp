@@ -116,10 +116,11 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
 
     const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, BK);
     for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
-      const KeyTile tile = key_tile(p.band, i0, nq, kb, BK, sh.Lk, W);
+      const KeyTile tile = trim_to_band(key_tile(p.band, i0, nq, kb, BK, sh.Lk, W), p.band, i0, nq, W);
       const auto [j0, nk, nkp, full] = tile;
       A* s = sbuf.data();
-      cpu::gemm<V>(nq, nkp, D, qblk, p.qld, p.kt + (bg * p.nkb + kb) * D * BK, BK, s, BK, false);
+      cpu::gemm<V>(nq, nkp, D, qblk, p.qld, p.kt + (bg * p.nkb + kb) * D * BK + (j0 - kb * BK), BK,
+                   s, BK, false);
       for (int64_t r = 0; r < nq; ++r) {
         A* sr = s + r * BK;
         const int64_t i = i0 + r;

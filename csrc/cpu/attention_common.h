@@ -149,6 +149,18 @@ inline KeyTile key_tile(const Band& band, int64_t i0, int64_t nq, int64_t kb, in
   return {j0, nk, round_up(nk, w), inside_band(band, i0, nq, j0, nk)};
 }
 
+// Key tile t cut to the keys that some row of [i0, i0 + nq) can see: from the first row's first
+// key (rounded down to whole vectors of w from the tile's start, so the transposed tile's columns
+// stay aligned) to the last row's last key. A causal block on the diagonal of a wide tile then
+// computes only its triangle's columns (64 rows by 256 keys: 64 to 256 columns, not always 256).
+inline KeyTile trim_to_band(const KeyTile& t, const Band& band, int64_t i0, int64_t nq, int64_t w) {
+  if (t.full) return t;
+  const int64_t first = std::max(t.j0, std::min(i0 + band.lo, t.j0 + t.nk - 1));
+  const int64_t j0 = t.j0 + (first - t.j0) / w * w;
+  const int64_t end = std::max(j0 + 1, std::min(t.j0 + t.nk, i0 + nq + band.hi));
+  return {j0, end - j0, round_up(end - j0, w), inside_band(band, i0, nq, j0, end - j0)};
+}
+
 // The blocks of a length `len` cut into blocks of `block`, sorted by decreasing work
 // `tiles(start, n)` (the tiles of the other side inside the band), ties in increasing order: the
 // longest tasks start first.
