@@ -45,10 +45,42 @@ class OpDef:
     cpp: Compiled | None
     triton: Compiled | None
     compiled: dict[str, Compiled]
+    registered: dict[str, Callable]  # per compiled backend name, the function registered for it
 
 
 #: Every op defined so far, by public op name (tests check the C++ and Triton schemas agree).
 DEFINED: dict[str, OpDef] = {}
+
+
+_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+_ANY_REQUIRES_GRAD = getattr(torch._C, "_any_requires_grad", None)
+
+
+def plain_eager() -> bool:
+    """Whether this call runs in plain eager mode: no torch.compile tracing, no functorch
+    transform (vmap, grad, jvp) and no forward-AD level around it. There a registered op may be
+    called below autograd (:func:`skip_autograd`)."""
+    return (_TRANSFORMS_ACTIVE is not None and not torch.compiler.is_compiling()
+            and not _TRANSFORMS_ACTIVE() and fwAD._current_level < 0)
+
+
+def skip_autograd(fwd: Callable) -> Callable:
+    """``fwd`` (a registered forward op) called below autograd when, in plain eager mode, nothing
+    it is given asks for a gradient: its autograd kernel (torch.library's, in Python) would only
+    redispatch there, ~20 us a call (measured on the CPU; torch's own layer_norm takes 8 us
+    whole at small sizes)."""
+    if _ANY_REQUIRES_GRAD is None:
+        return fwd
+
+    def call(*args):
+        if plain_eager() and not (torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*args)):
+            with torch._C._AutoDispatchBelowAutograd():
+                return fwd(*args)
+        return fwd(*args)
+
+    call.__name__ = getattr(fwd, "__name__", "fwd")
+    call.__doc__ = getattr(fwd, "__doc__", None)
+    return call
 
 
 def triton_installed() -> bool:
@@ -120,15 +152,17 @@ def define_op(
         compiled["triton"] = triton
     if naive is not None:  # eager torch: forward-mode AD is torch's own
         backends.register_backend(op, "naive", naive, **{"features": ("jvp",), **caps.get("naive", {})})
+    registered = {}
     for name, ops in compiled.items():
         jvp = ("jvp",) if ops.jvp is not None else ()
-        backends.register_backend(op, name, adapt(ops.fwd), **{"features": jvp, **caps.get(name, {})})
+        registered[name] = adapt(skip_autograd(ops.fwd))
+        backends.register_backend(op, name, registered[name], **{"features": jvp, **caps.get(name, {})})
         if fake_jvp is not None and ops.jvp is None:
             stale = name != "triton" and not hasattr(torch.ops.fastattn, f"{kernel}_jvp")
             backends.note_missing_feature(op, name, "jvp", (
                 f"the loaded fastattn._C was built before fastattn::{kernel}_jvp existed; {_REBUILD}"
                 if stale else f"it has no forward-mode AD (JVP) kernel for {op}"))
-    DEFINED[op] = OpDef(op, kernel, cpp, triton, compiled)
+    DEFINED[op] = OpDef(op, kernel, cpp, triton, compiled, registered)
     return DEFINED[op]
 
 
@@ -215,8 +249,8 @@ def forward_ad_needs(*tensors: torch.Tensor | None) -> tuple[str, ...]:
     torch.autograd.forward_ad, an input of torch.func.jvp / jacfwd), else ``()``: what
     ``backends.select(..., needs=...)`` is asked for, so that a backend without forward mode for
     the op is refused (named) or passed over (automatic choice). Never under torch.compile."""
-    if torch.compiler.is_compiling():
-        return ()
+    if fwAD._current_level < 0 or torch.compiler.is_compiling():
+        return ()  # no dual level is open (torch.func.jvp opens one too): no tensor has a tangent
     if any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
         return ("jvp",)
     return ()

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_kernels,
+    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, plain_eager,
+    triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -413,7 +414,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed, fwd, bwd, jvp, name):
-        if _FAST_APPLY and not torch._C._are_functorch_transforms_active():
+        if plain_eager():
             # This Function is the op's autograd: skip the registered op's own (Python) autograd
             # layer, which would only redispatch below autograd (~20 us a call, measured).
             with torch._C._AutoDispatchBelowAutograd():
@@ -602,7 +603,7 @@ def attention(
                                  lq=query.shape[2], lk=key.shape[2])
     args = (scale, offset, left, right, float(dropout_p), int(seed or 0))
     compiled = _COMPILED.get(name)
-    if compiled is None or compiled[0] is not impl or torch.compiler.is_compiling():
+    if compiled is None or _DEFINED.registered.get(name) is not impl or torch.compiler.is_compiling():
         out, lse = impl(query, key, value, mask, *args)
     else:
         out, lse = _Attention.apply(query, key, value, mask, *args, *compiled, name)

@@ -97,8 +97,14 @@ def _triton_bwd(
 
 def _rows(t: Tensor, n: int) -> Tensor:
     """``t`` as (rows, n) with a contiguous last dimension (a view whenever possible)."""
-    t = t.reshape(-1, n)
+    if t.dim() != 2 or t.shape[1] != n:
+        t = t.reshape(-1, n)
     return t if t.stride(-1) == 1 or n == 1 else t.contiguous()
+
+
+def _flat(t: Tensor | None, n: int) -> Tensor | None:
+    """A weight or bias as the (n,) vector the kernels take (None stays None)."""
+    return t if t is None or t.dim() == 1 else t.reshape(n)
 
 
 def _compiled(fwd):
@@ -107,12 +113,14 @@ def _compiled(fwd):
         y, h, _mean, _rstd = fwd(
             _rows(x, n),
             None if residual is None else _rows(residual, n),
-            None if weight is None else weight.reshape(n),
-            None if bias is None else bias.reshape(n),
+            _flat(weight, n),
+            _flat(bias, n),
             eps,
             rms,
         )
-        return y.view(x.shape), (h.view(x.shape) if residual is not None else None)
+        if y.shape != x.shape:  # (no view when not needed: a call's fixed cost counts when small)
+            y, h = y.view(x.shape), (h.view(x.shape) if residual is not None else None)
+        return y, (h if residual is not None else None)
 
     return impl
 
