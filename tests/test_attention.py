@@ -106,6 +106,29 @@ def test_fully_masked_rows_give_zero_not_nan(backend, device):
     assert torch.all(out[0, 0, :5] == 0) and not torch.isnan(out).any()
 
 
+@pytest.mark.parametrize("as_float", [False, True])
+def test_key_padding_mask_over_whole_key_tiles(as_float):
+    """A key-padding mask that removes whole key tiles (256 keys; the cpu forward skips them): same
+    result as the reference, nothing read from the skipped keys (a NaN there stays out), and a
+    sequence with no key at all gives 0."""
+    if "cpu" not in fastattn.available_backends():
+        pytest.skip("the cpu backend is not built")
+    g = torch.Generator().manual_seed(7)
+    B, H, Lq, Lk, D = 3, 2, 20, 600, 16
+    q, k, v = _qkv(B, H, H, Lq, Lk, D, D, "cpu", torch.float32, g)
+    keep = (torch.arange(Lk)[None, :] < torch.tensor([Lk, 100, 0])[:, None]).view(B, 1, 1, Lk)
+    mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) if as_float else keep
+    out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend="cpu")
+    np_mask = to_numpy(mask) if as_float else keep.numpy()
+    ref_out, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask=np_mask)
+    assert_close_to_reference(out, ref_out, name="out")
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
+    v_nan = v.detach().clone()
+    v_nan[1, :, 300:] = float("nan")  # keys of batch 1's skipped tiles (and of a partial tile)
+    out_nan = fastattn.attention(q.detach(), k.detach(), v_nan, mask, backend="cpu")
+    assert torch.equal(out_nan, out.detach())
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_huge_logits(backend, device):
     g = torch.Generator().manual_seed(2)

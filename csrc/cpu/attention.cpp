@@ -89,6 +89,7 @@ struct FwdArgs {
   int64_t Dvp, BQ, BK, nqb, nkb;
   const int64_t* qb_order;
   const uint8_t* v_bad;  // nonfinite_tiles of vp with tile BK, or null
+  const uint8_t* dead;   // masked_key_tiles (per b * H + h and key tile), or null
   // outputs: out (B, H, Lq, Dv) and lse (B, H, Lq); or, for the statistics-only sweep of the
   // float64 backward, lse_acc (B * H, lse_ld) with +inf for rows with nothing to attend.
   A* out;
@@ -116,6 +117,7 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
 
     const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, BK);
     for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
+      if (flagged(p.dead, bh * p.nkb + kb)) continue;  // a key-padding mask removes the whole tile
       const KeyTile tile = trim_to_band(key_tile(p.band, i0, nq, kb, BK, sh.Lk, W), p.band, i0, nq, W);
       const auto [j0, nk, nkp, full] = tile;
       A* s = sbuf.data();
@@ -505,9 +507,11 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   at::Tensor out_acc = acc_output<T, A>(out);
   const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, BQ, BK);
   const std::vector<uint8_t> v_bad = nonfinite_tiles(vp.const_data_ptr<A>(), sh.B * sh.Hkv, sh.Lk, Dvp, BK);
+  const std::vector<uint8_t> dead = masked_key_tiles(mask, sh.B, sh.H, sh.Lk, BK);
   const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), sh.D,
                      kt.const_data_ptr<A>(), vp.const_data_ptr<A>(), Dvp, BQ, BK, nqb, nkb,
-                     order.data(), v_bad.empty() ? nullptr : v_bad.data(), out_acc.data_ptr<A>(),
+                     order.data(), v_bad.empty() ? nullptr : v_bad.data(),
+                     dead.empty() ? nullptr : dead.data(), out_acc.data_ptr<A>(),
                      lse.data_ptr<float>(), nullptr, 0};
   run_workers(sh.B * sh.H * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, false>(p, next); });
   if (!out_acc.is_same(out)) out.copy_(out_acc);
@@ -621,7 +625,7 @@ void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::T
     const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, TQ, TK);
     const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), Dp,
                        kt.const_data_ptr<A>(), nullptr, Dvp, TQ, TK, nqb, nkb, order.data(),
-                       nullptr, nullptr, nullptr, lse.data_ptr<A>(), Lq_pad};
+                       nullptr, nullptr, nullptr, nullptr, lse.data_ptr<A>(), Lq_pad};
     run_workers(BH * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, true>(p, next); });
   }
 

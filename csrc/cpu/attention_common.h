@@ -393,6 +393,30 @@ FASTATTN_INLINE void gemm_acc(bool careful, int64_t m, int64_t n, int64_t k,
   }
 }
 
+// For a mask that does not vary along the query axis (stride 0 there: a key-padding mask), a
+// flag per (b * H + h, key tile of bk keys): 1 when the mask removes every key of the tile, which
+// the forward then skips (exact: such a tile adds nothing to any row, and its keys' values are
+// never read). An empty vector for other masks or when no tile is wholly masked. Reads B * H * Lk
+// mask values, against the B * H * Lq * Lk scores they save.
+inline std::vector<uint8_t> masked_key_tiles(const cpu::MaskView& mask, int64_t B, int64_t H,
+                                             int64_t lk, int64_t bk) {
+  if (!mask.defined() || mask.stride[2] != 0) return {};
+  const int64_t ntiles = ceil_div(lk, bk);
+  std::vector<uint8_t> dead(B * H * ntiles, 0);
+  bool any = false;
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    for (int64_t t = 0; t < ntiles; ++t) {
+      const int64_t j0 = t * bk, nk = std::min(bk, lk - j0);
+      const int64_t off = mask.offset(bh / H, bh % H, 0, j0);
+      bool kept = false;
+      for (int64_t c = 0; c < nk && !kept; ++c) kept = cpu::mask_keeps(mask, off + c * mask.stride[3]);
+      dead[bh * ntiles + t] = !kept;
+      any = any || !kept;
+    }
+  }
+  return any ? dead : std::vector<uint8_t>{};
+}
+
 // Whether tile `i` of a nonfinite_tiles() list is flagged (null: all finite).
 inline bool flagged(const uint8_t* flags, int64_t i) { return flags != nullptr && flags[i] != 0; }
 

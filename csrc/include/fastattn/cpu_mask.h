@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
 #include <limits>
 #include <optional>
 
@@ -54,12 +55,46 @@ inline MaskView make_mask_view(const std::optional<at::Tensor>& mask, at::IntArr
   return view;
 }
 
+// The contiguous row's whole vectors (32 bytes of A; compiled for the caller's ISA, which the
+// kernels inline this into): as the loops below, c < returned count done. Measured on a 2 x 4 x
+// 512 x 512 float mask, 1 thread AVX2: the element loops cost ~4 cycles a score, more than
+// torch's whole mask handling.
+template <class A, class M>
+FASTATTN_INLINE int64_t apply_mask_row_vectors(A* s, int64_t n, const M* m) {
+#if FASTATTN_VECTOR_EXTENSIONS
+  using V = Vec<A, 32 / sizeof(A)>;
+  constexpr int64_t W = V::size;
+  const V neg_inf(-std::numeric_limits<A>::infinity());
+  int64_t c = 0;
+  if constexpr (std::is_same_v<M, uint8_t>) {  // keep where the byte is non-zero
+    typedef uint8_t Bytes __attribute__((vector_size(W)));
+    for (; c + W <= n; c += W) {
+      Bytes b;
+      std::memcpy(&b, m + c, sizeof(b));
+      const V keep(__builtin_convertvector(b, typename V::Raw));
+      V::select_gt(keep, V(A(0)), V::load(s + c), neg_inf).store(s + c);
+    }
+  } else if constexpr (std::is_same_v<M, A> ||
+                       (std::is_same_v<M, c10::BFloat16> && std::is_same_v<A, float>)) {
+    for (; c + W <= n; c += W) {
+      V mv;
+      if constexpr (std::is_same_v<M, A>) mv = V::load(m + c);
+      else mv = load_bf16<W>(m + c);
+      V::select_neg_inf(mv, neg_inf, V::load(s + c) + mv).store(s + c);
+    }
+  }
+  return c;
+#else
+  return 0;
+#endif
+}
+
 template <class A, class M>
 FASTATTN_INLINE void apply_mask_row_typed(A* s, int64_t n, const M* m, int64_t stride) {
   if constexpr (std::is_same_v<M, uint8_t>) {
     const A neg_inf = -std::numeric_limits<A>::infinity();
     if (stride == 1) {
-      for (int64_t c = 0; c < n; ++c) s[c] = m[c] != 0 ? s[c] : neg_inf;
+      for (int64_t c = apply_mask_row_vectors<A>(s, n, m); c < n; ++c) s[c] = m[c] != 0 ? s[c] : neg_inf;
     } else {
       for (int64_t c = 0; c < n; ++c) s[c] = m[c * stride] != 0 ? s[c] : neg_inf;
     }
@@ -69,11 +104,27 @@ FASTATTN_INLINE void apply_mask_row_typed(A* s, int64_t n, const M* m, int64_t s
     const A neg_inf = -std::numeric_limits<A>::infinity();
     auto add = [neg_inf](A x, A mv) { return mv == neg_inf ? neg_inf : x + mv; };
     if (stride == 1) {
-      for (int64_t c = 0; c < n; ++c) s[c] = add(s[c], to_acc<A>(m[c]));
+      for (int64_t c = apply_mask_row_vectors<A>(s, n, m); c < n; ++c) s[c] = add(s[c], to_acc<A>(m[c]));
     } else {
       for (int64_t c = 0; c < n; ++c) s[c] = add(s[c], to_acc<A>(m[c * stride]));
     }
   }
+}
+
+// Whether the mask keeps entry `offset` (bool: true; float: not -inf).
+inline bool mask_keeps(const MaskView& mask, int64_t offset) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  switch (mask.kind) {
+    case MaskKind::kBool: return static_cast<const uint8_t*>(mask.ptr)[offset] != 0;
+    case MaskKind::kFloat: return static_cast<const float*>(mask.ptr)[offset] != neg_inf;
+    case MaskKind::kDouble: return static_cast<const double*>(mask.ptr)[offset] != neg_inf;
+    case MaskKind::kHalf:
+      return static_cast<float>(static_cast<const c10::Half*>(mask.ptr)[offset]) != neg_inf;
+    case MaskKind::kBFloat16:
+      return to_acc<float>(static_cast<const c10::BFloat16*>(mask.ptr)[offset]) != neg_inf;
+    case MaskKind::kNone: break;
+  }
+  return true;
 }
 
 // s[c] += mask[offset + c * stride] for c < n (float masks; s[c] = -inf where the mask is -inf),
