@@ -19,7 +19,9 @@
 //   That is O((Lq + Lk) * D) memory. The workers depend on A only; float16 / bfloat16 outputs are
 //   computed in A and rounded once at the end.
 // * Forward: one task per (query block of kFwdBlockQ rows, b, h). It visits only the key tiles
-//   (kFwdBlockK keys) that intersect the band; per tile S = (scale Q) K^T (register-blocked GEMM,
+//   (kFwdBlockK keys) that intersect the band, each cut to the keys some row of the block can see
+//   (trim_to_band), and none that a key-padding mask removes whole (masked_key_tiles; both exact:
+//   what is left out adds nothing to any row); per tile S = (scale Q) K^T (register-blocked GEMM,
 //   cpu_gemm.h), the mask (read through its strides), the band (edge tiles only: tiles fully
 //   inside it skip the test), online softmax (running max / sum, vectorized exp), dropout, and
 //   O += P V. Rows that saw no key end with l = 0: O = 0 and lse = -inf.
