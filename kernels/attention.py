@@ -648,8 +648,9 @@ def _fwd_tile(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv
     v = _load_tile(v_src, n0, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE,
                    USE_TMA)
     if CAREFUL:
-        acc = _masked_dot(acc * alpha[:, None], p, v, allowed, DOT_PRECISION, BLOCK_N,
-                          v_src + n0 * stride_v_n, stride_v_n, offs_dv, HEAD_DIM_V)
+        # (v's row picked out of the tile: re-reading it cost the forward registers, D64 32x64
+        # w4 0 -> 12 B of spills; it helps the backward's, see _masked_dot)
+        acc = _masked_dot(acc * alpha[:, None], p, v, allowed, DOT_PRECISION, BLOCK_N)
     else:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
     return acc, m_new, l_i
