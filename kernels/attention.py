@@ -244,10 +244,18 @@ def _spills(kernel, config, args):
         # dQ 32x64 w4 on the descriptor path: spills inside its loop at every head dim (D64 at
         # ptxas's 168 tier, 16/24 B; D80/D128 at 255, 8/12 B; D256 1.5 KB)
         (kernel == "dq" and args["USE_TMA"] and (bm, bn, warps) == (32, 64, 4))
-        # dK/dV 32x32 w8 at BLOCK_D 128: 128 registers (2 blocks of 8 warps), 4/4 B on the
-        # descriptor path and with dropout (the next tier, 255, halves its blocks per SM)
-        or (kernel == "dkdv" and args["BLOCK_D"] == 128 and (bm, bn, warps) == (32, 32, 8)
-            and (args["USE_TMA"] or args["HAS_DROPOUT"]))
+        # dK/dV 32x32 and 32x16 w8 (8 warps on a tiny tile): ptxas holds them to 128
+        # registers (2 blocks of 8 warps; its next tier, 255, halves the blocks per SM) and the
+        # careful branch does not fit there: at BLOCK_D 128 (32x32: 16-44 B, 32x16: 36/44 B on
+        # the pointer path) and, 32x32, with a mask tensor at D64 (12/32 B)
+        or (kernel == "dkdv" and (bm, bn, warps) == (32, 32, 8)
+            and (args["BLOCK_D"] == 128 or args["HAS_MASK"]))
+        or (kernel == "dkdv" and (bm, bn, warps) == (32, 16, 8) and args["BLOCK_D"] == 128
+            and not args["USE_TMA"])
+        # dQ 32x64 w4 with a bool mask at D64, pointer path: 8/8 B since the careful dot
+        # re-reads k's rows (which took dQ 16x32 w4 at D80/D128 from 20-28 B to 0)
+        or (kernel == "dq" and not args["USE_TMA"] and args["HAS_MASK"]
+            and args["BLOCK_D"] == 64 and (bm, bn, warps) == (32, 64, 4))
         # forward with a float mask on the pointer path: D64 32x64 w4 (128 registers, 16/24 B),
         # D128 64x64 w4 (255 registers, 4/4 B)
         or (kernel == "fwd" and float_mask and warps == 4
@@ -501,7 +509,8 @@ def _masked_dot(acc, a, b, allowed, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.con
     16x32 w4: 20/24 B of spills at ptxas's 128-register tier, 0 with the reload). Without
     (b's rows not at a stride: the paged kernel) it picks the row out of b."""
     a = tl.where(allowed, a, 0.0).to(b.dtype)
-    finite = b.to(tl.float32) * 0.0 == 0.0
+    bf = b.to(tl.float32)
+    finite = bf * 0.0 == 0.0
     acc += _dot(a, tl.where(finite, b, tl.zeros_like(b)), DOT_PRECISION)
     offs_k = tl.arange(0, BLOCK_K)
     bad = tl.max(tl.where(finite, 0, 1), 1)
@@ -509,10 +518,10 @@ def _masked_dot(acc, a, b, allowed, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.con
     while n_bad > 0:
         k = tl.min(tl.where(bad > 0, offs_k, BLOCK_K), 0)
         col = offs_k == k
-        a_k = tl.sum(tl.where(col[None, :], a, tl.zeros_like(a)).to(tl.float32), 1)
+        a_k = tl.sum(tl.where(col[None, :], a.to(tl.float32), 0.0), 1)
         ok_k = tl.max(tl.where(col[None, :] & allowed, 1, 0), 1) > 0
         if b_rows is None:
-            b_k = tl.sum(tl.where(col[:, None], b, tl.zeros_like(b)).to(tl.float32), 0)
+            b_k = tl.sum(tl.where(col[:, None], bf, 0.0), 0)
         else:
             b_k = tl.load(b_rows + k * stride_b + offs_col, mask=offs_col < n_cols,
                           other=0.0).to(tl.float32)
@@ -865,8 +874,8 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, EDGE: tl.constexpr,
                USE_TMA: tl.constexpr, CAREFUL: tl.constexpr):
     """One step of :func:`_dkdv_tiles`: the query tile starting at m0. CAREFUL (the NaN-safe
-    path, every tile an edge tile; 1: dV only, 2: dK only): P and dS of the pairs not attended
-    are selected to 0 and the dots skip them (:func:`_masked_dot`)."""
+    path, every tile an edge tile): P and dS of the pairs not attended are selected to 0 and the
+    dots skip them (:func:`_masked_dot`)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = _load_tile(q_src, m0, offs_m, stride_q_m, offs_d, Lq, HEAD_DIM, BLOCK_D, EDGE, USE_TMA)
     do = _load_tile(do_src, m0, offs_m, stride_do_m, offs_dv, Lq, HEAD_DIM_V, BLOCK_DV, EDGE,
@@ -895,13 +904,12 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_
     else:
         p_drop = p
     ds = p * (dp - delta[:, None])
-    if CAREFUL == 1:  # (dS and dP unused: the compiler drops them)
-        dv = _masked_dot(dv, tl.trans(p_drop), do, tl.trans(allowed), DOT_PRECISION, BLOCK_M,
-                         do_src + m0 * stride_do_m, stride_do_m, offs_dv, HEAD_DIM_V)
-    elif CAREFUL:
+    if CAREFUL:
         ds = tl.where(allowed, ds, 0.0)
-        dk = _masked_dot(dk, tl.trans(ds), q, tl.trans(allowed), DOT_PRECISION, BLOCK_M,
-                         q_src + m0 * stride_q_m, stride_q_m, offs_d, HEAD_DIM)
+        # (rows picked out of the tiles, as in the forward: re-reading them moved dK/dV's
+        # spills around, D64 32x32 w4 0 -> 8-36 B, instead of removing them)
+        dv = _masked_dot(dv, tl.trans(p_drop), do, tl.trans(allowed), DOT_PRECISION, BLOCK_M)
+        dk = _masked_dot(dk, tl.trans(ds), q, tl.trans(allowed), DOT_PRECISION, BLOCK_M)
     else:
         dv += _dot(tl.trans(p_drop.to(do.dtype)), do, DOT_PRECISION)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PRECISION)
@@ -934,17 +942,14 @@ def _dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs
 
 @triton.jit
 def _store_dkdv(dk_base, dv_base, offs_n, stride_dk_n, stride_dv_n, offs_d, offs_dv, dk, dv,
-                scale, Lk, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                PARTS: tl.constexpr = 3):
-    """Store the rows offs_n (< Lk) of dK (times scale; PARTS & 2) and dV (PARTS & 1)."""
+                scale, Lk, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """Store the rows offs_n (< Lk) of dK (times scale) and dV."""
     row_ok = offs_n[:, None] < Lk
-    if PARTS & 2:
-        tl.store(dk_base + offs_n[:, None] * stride_dk_n + offs_d[None, :],
-                 (dk * scale).to(dk_base.dtype.element_ty),
-                 mask=row_ok & (offs_d[None, :] < HEAD_DIM))
-    if PARTS & 1:
-        tl.store(dv_base + offs_n[:, None] * stride_dv_n + offs_dv[None, :],
-                 dv.to(dv_base.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(dk_base + offs_n[:, None] * stride_dk_n + offs_d[None, :],
+             (dk * scale).to(dk_base.dtype.element_ty),
+             mask=row_ok & (offs_d[None, :] < HEAD_DIM))
+    tl.store(dv_base + offs_n[:, None] * stride_dv_n + offs_dv[None, :],
+             dv.to(dv_base.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
@@ -959,28 +964,25 @@ def _dkdv_careful(q_base, stride_q_h, stride_q_m, do_base, stride_do_h, stride_d
                   DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """The careful dK/dV of the key block at n0 (BLOCK_N keys), _CAREFUL keys at a time over
     the GROUP query heads whose q, dO, lse/delta rows and mask slice start at the ``*_base``
-    pointers (head g at ``g * stride_*_h``; its dropout stream is ``bh0 + g``). dV and dK in
-    two passes over the queries (CAREFUL 1 and 2 of :func:`_dkdv_tile`): one accumulator and
-    one :func:`_masked_dot` live at a time, and the dV pass needs no v tile nor dP."""
+    pointers (head g at ``g * stride_*_h``; its dropout stream is ``bh0 + g``)."""
     for r in range(0, BLOCK_N, _CAREFUL):
         offs_n = n0 + r + tl.arange(0, _CAREFUL)
+        k = _load_rows(k_base, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, True)
+        v = _load_rows(v_base, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, True)
+        dk = tl.zeros([_CAREFUL, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([_CAREFUL, BLOCK_DV], dtype=tl.float32)
         m_base, num, t1, t2 = _query_tiles(n0 + r, Lq, Lk, band_lo, band_hi, _CAREFUL, _CAREFUL)
-        for part in tl.static_range(1, 3):
-            k = _load_rows(k_base, offs_n, stride_k_n, offs_d, Lk, HEAD_DIM, BLOCK_D, True)
-            v = _load_rows(v_base, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, True)
-            dk = tl.zeros([_CAREFUL, BLOCK_D], dtype=tl.float32)
-            dv = tl.zeros([_CAREFUL, BLOCK_DV], dtype=tl.float32)
-            for g in range(0, GROUP):
-                dk, dv = _dkdv_tiles(
-                    dk, dv, k, v, q_base + g * stride_q_h, do_base + g * stride_do_h,
-                    lse_base + g * stride_lse_h, delta_base + g * stride_lse_h,
-                    mask_base + g * stride_mask_h, offs_n, offs_d, offs_dv, m_base, num, t1, t2,
-                    stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
-                    band_lo, band_hi, seed, bh0 + g, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V,
-                    BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
-                    DOT_PRECISION, _CAREFUL, False, False, part)
-            _store_dkdv(dk_base, dv_base, offs_n, stride_dk_n, stride_dv_n, offs_d, offs_dv, dk,
-                        dv, scale, Lk, HEAD_DIM, HEAD_DIM_V, part)
+        for g in range(0, GROUP):
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base + g * stride_q_h, do_base + g * stride_do_h,
+                lse_base + g * stride_lse_h, delta_base + g * stride_lse_h,
+                mask_base + g * stride_mask_h, offs_n, offs_d, offs_dv, m_base, num, t1, t2,
+                stride_q_m, stride_do_m, stride_mask_m, stride_mask_n, Lq, Lk, qk_scale,
+                band_lo, band_hi, seed, bh0 + g, threshold, rcp_keep, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, HAS_MASK, MASK_BOOL, LO_BOUNDED, HI_BOUNDED, HAS_DROPOUT,
+                DOT_PRECISION, _CAREFUL, False, False, True)
+        _store_dkdv(dk_base, dv_base, offs_n, stride_dk_n, stride_dv_n, offs_d, offs_dv, dk, dv,
+                    scale, Lk, HEAD_DIM, HEAD_DIM_V)
 
 
 @triton.jit
