@@ -106,6 +106,17 @@ unchanged (255, 255, 168); paged 128 -> 149; the FIXUP launch 112-122. Occupancy
 for dQ at D64 (2 -> 1 CTA per SM on the pointer path and the causal descriptor path): to be
 timed on a GPU, with the forward's D64 pointer-path config change.
 
+Measured again (2026-11-23, every config the pruners keep, bf16; bench/aot/README.md): the
+branch did cost small tiles registers after all. ptxas holds them to an occupancy tier of its
+own (128 or 168 registers), and 42 bf16 variants spilled 4-92 B there (none inside a tile loop:
+values kept across it for the branch, or inside the branch) plus D256 descriptor-path tiles
+spilling 28 B-1.5 KB inside their loops. Now: the careful dQ re-reads the rows of k that hold a
+non-finite value instead of picking them out of the register tile (:func:`_masked_dot`; dQ 16x32
+w4 at D80/D128: 20-28 B -> 0), configs get ``maxnreg`` where their shared memory already bounds
+the blocks per SM (:func:`_maxnreg`), and the configs that still spill are pruned (``_prune``,
+:func:`_spills`). The quick set (above) compiles to the same SASS except dQ (registers 128-184 ->
+122-188, same blocks per SM).
+
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
 IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
 float32 (natural log). Fully masked rows give O = 0, lse = -inf and zero gradients, never NaN.
@@ -256,6 +267,9 @@ def _spills(kernel, config, args):
         # re-reads k's rows (which took dQ 16x32 w4 at D80/D128 from 20-28 B to 0)
         or (kernel == "dq" and not args["USE_TMA"] and args["HAS_MASK"]
             and args["BLOCK_D"] == 64 and (bm, bn, warps) == (32, 64, 4))
+        # forward D256 32x32 w4s1 on the pointer path: 168 registers (ptxas's tier), 20/20 B
+        or (kernel == "fwd" and not args["USE_TMA"] and args["BLOCK_D"] == 256
+            and (bm, bn, warps, config.num_stages) == (32, 32, 4, 1))
         # forward with a float mask on the pointer path: D64 32x64 w4 (128 registers, 16/24 B),
         # D128 64x64 w4 (255 registers, 4/4 B)
         or (kernel == "fwd" and float_mask and warps == 4
@@ -310,6 +324,8 @@ def _prune(configs, named_args, kernel, **kwargs):
     (:data:`_VALUES_PER_THREAD`; less on the pointer path at head dims > 128, and for its
     forward; no spills), tiles within the shared memory of a block, more than one stage unless
     the head dim is > 128.
+    Configs that :func:`_spills` names are dropped; the others get ``maxnreg`` by
+    :func:`_maxnreg`.
     Warp-specialized configs (Triton places their registers itself; fastattn.aot checks them)
     stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
     specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
@@ -1107,9 +1123,11 @@ def _dq_tile(dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m,
     if NEED_DMASK:
         tl.store(dmask_base + offs_m[:, None] * Lk + offs_n[None, :], ds,
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
-    if CAREFUL:
+    if CAREFUL and BLOCK_D <= 128:
         dq = _masked_dot(dq, ds, k, allowed, DOT_PRECISION, BLOCK_N, k_src + n0 * stride_k_n,
                          stride_k_n, offs_d, HEAD_DIM)
+    elif CAREFUL:  # (at D256 the re-read cost registers: 16x32 w4, 0 -> 4-16 B of spills)
+        dq = _masked_dot(dq, ds, k, allowed, DOT_PRECISION, BLOCK_N)
     else:
         dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
     return dq
