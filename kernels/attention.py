@@ -250,7 +250,7 @@ def _spills(kernel, config, args):
     small tiles that ptxas holds to its 128- or 168-register tier, where nothing in the cold
     NaN-rule branch or the tile loop is left to trim."""
     bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
-    float_mask = args["HAS_MASK"] and not args["MASK_BOOL"] and not args["USE_TMA"]
+    float_mask = args["HAS_MASK"] and not args.get("MASK_BOOL", True) and not args["USE_TMA"]
     return (
         # dQ 32x64 w4 on the descriptor path: spills inside its loop at every head dim (D64 at
         # ptxas's 168 tier, 16/24 B; D80/D128 at 255, 8/12 B; D256 1.5 KB)
