@@ -267,6 +267,9 @@ def _spills(kernel, config, args):
         # re-reads k's rows (which took dQ 16x32 w4 at D80/D128 from 20-28 B to 0)
         or (kernel == "dq" and not args["USE_TMA"] and args["HAS_MASK"]
             and args["BLOCK_D"] == 64 and (bm, bn, warps) == (32, 64, 4))
+        # forward 16x64 w4 at head dim 80 on the descriptor path: 128 registers, 4/4 B
+        or (kernel == "fwd" and args["USE_TMA"] and args.get("HEAD_DIM") == 80
+            and (bm, bn, warps) == (16, 64, 4))
         # forward D256 32x32 w4s1 on the pointer path: 168 registers (ptxas's tier), 20/20 B
         or (kernel == "fwd" and not args["USE_TMA"] and args["BLOCK_D"] == 256
             and (bm, bn, warps, config.num_stages) == (32, 32, 4, 1))
