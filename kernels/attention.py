@@ -106,6 +106,17 @@ unchanged (255, 255, 168); paged 128 -> 149; the FIXUP launch 112-122. Occupancy
 for dQ at D64 (2 -> 1 CTA per SM on the pointer path and the causal descriptor path): to be
 timed on a GPU, with the forward's D64 pointer-path config change.
 
+Measured again (2026-11-23, every config the pruners keep, bf16; bench/aot/README.md): the
+branch did cost small tiles registers after all. ptxas holds them to an occupancy tier of its
+own (128 or 168 registers), and 42 bf16 variants spilled 4-92 B there (none inside a tile loop:
+values kept across it for the branch, or inside the branch) plus D256 descriptor-path tiles
+spilling 28 B-1.5 KB inside their loops. Now: the careful dQ re-reads the rows of k that hold a
+non-finite value instead of picking them out of the register tile (:func:`_masked_dot`; dQ 16x32
+w4 at D80/D128: 20-28 B -> 0), configs get ``maxnreg`` where their shared memory already bounds
+the blocks per SM (:func:`_maxnreg`), and the configs that still spill are pruned (``_prune``,
+:func:`_spills`). The quick set (above) compiles to the same SASS except dQ (registers 128-184 ->
+122-188, same blocks per SM).
+
 Precision: scores, softmax statistics and all accumulators are float32 (float32 inputs use
 IEEE float32 dots, not TF32); P and dS are cast to the input dtype for the tensor-core dots; lse is
 float32 (natural log). Fully masked rows give O = 0, lse = -inf and zero gradients, never NaN.
@@ -189,6 +200,17 @@ _POINTER_WIDE = 0.65
 # The forward on the pointer path, less: its NaN-rule branch (the careful path, module docstring)
 # costs the D64 128x64 w4 config (160, 255 registers before the branch) 4-28 B of spills.
 _FWD_POINTER_VALUES = 150
+# The forward with a mask tensor on the pointer path counts the mask tile's addresses too (one
+# value per element), within the forward's own limit: bf16 D64 64x128 w4 and 128x128 w8 (112 +
+# 64) with a bool or float mask sat at 255 registers and spilled 16-92 B; 128x64 w8 (D128,
+# 128 + 32) and 128x32 w4 (D64, 128 + 32) fit.
+# Tiles of fewer than 64 query rows on the descriptor path (no wgmma: Triton 3.6 lowers their dots
+# to mma.sync and holds each step's key and value tiles in registers) count those tiles too, with
+# this limit (fwd and dQ): dQ bf16 D256 16x32 (136) fits; dQ D128 32x64 (160), D256 16x64 and
+# 32x32 (208), forward D256 32x32 (168) and 32x64 (240) spilled 28-1548 B inside the tile loop;
+# two that fit go with them: forward D128 16x128 (168; 156 registers with its maxnreg) and D256
+# 16x64 (184; 187 registers).
+_OPERAND_VALUES = 144
 # Shared memory a block may have on sm_90 (227 KiB): the streamed tiles times num_stages plus the
 # resident ones (bf16 D256 dQ 64x64 with 3 stages asked 257 KiB and cannot launch).
 _SHARED_BYTES = 227 * 1024
@@ -204,22 +226,99 @@ def _shared_bytes(kernel, bm, bn, block_d, block_dv, elem_bytes, stages):
     return stages * bn * width + bm * resident * elem_bytes
 
 
-def _live_values(kernel, bm, bn, block_d, block_dv, elem_bytes, warps):
-    """Live values per thread of one program of ``kernel`` with a BM x BN tile."""
+def _live_values(kernel, bm, bn, block_d, block_dv, elem_bytes, warps, mask=False,
+                 operands=False):
+    """Live values per thread of one program of ``kernel`` with a BM x BN tile; ``mask``: the
+    forward reads a mask tensor (its BM x BN addresses); ``operands``: the key and value tiles
+    of each step are held in registers too (:data:`_OPERAND_VALUES`)."""
     half = elem_bytes / 4   # registers per input element
     if kernel == "fwd":     # acc (BM x DV), scores/probabilities (BM x BN), q (BM x D)
-        live = bm * block_dv + bm * bn + bm * block_d * half
+        live = bm * block_dv + bm * bn + bm * block_d * half + (bm * bn if mask else 0)
+        live += bn * (block_d + block_dv) * half if operands else 0
     elif kernel == "dkdv":  # dk, dv accumulators, k and v tiles, scores and dS, q and dO tiles
         live = (bn * (block_d + block_dv) * (1 + half) + 2 * bm * bn
                 + bm * (block_d + block_dv) * half)
     else:                   # dq accumulator, q and dO tiles, scores and dS
         live = bm * block_d + bm * (block_d + block_dv) * half + 2 * bm * bn
+        live += bn * (block_d + block_dv) * half if operands else 0
     return live / (32 * warps)
+
+
+def _spills(kernel, config, args):
+    """Configs the register model above keeps but that spill on sm_90 (Triton 3.6; measured
+    with ``fastattn.aot``, bench/aot/README.md), each for the launches it was measured on:
+    small tiles that ptxas holds to its 128- or 168-register tier, where nothing in the cold
+    NaN-rule branch or the tile loop is left to trim."""
+    bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
+    float_mask = args["HAS_MASK"] and not args.get("MASK_BOOL", True) and not args["USE_TMA"]
+    return (
+        # dQ 32x64 w4 on the descriptor path: spills inside its loop at every head dim (D64 at
+        # ptxas's 168 tier, 16/24 B; D80/D128 at 255, 8/12 B; D256 1.5 KB)
+        (kernel == "dq" and args["USE_TMA"] and (bm, bn, warps) == (32, 64, 4))
+        # dK/dV 32x32 and 32x16 w8 (8 warps on a tiny tile): ptxas holds them to 128
+        # registers (2 blocks of 8 warps; its next tier, 255, halves the blocks per SM) and the
+        # careful branch does not fit there: at BLOCK_D 128 (32x32: 16-44 B, 32x16: 36/44 B on
+        # the pointer path) and, 32x32, with a mask tensor at D64 (12/32 B)
+        or (kernel == "dkdv" and (bm, bn, warps) == (32, 32, 8)
+            and (args["BLOCK_D"] == 128 or args["HAS_MASK"]))
+        or (kernel == "dkdv" and (bm, bn, warps) == (32, 16, 8) and args["BLOCK_D"] == 128
+            and not args["USE_TMA"])
+        # dQ 32x64 w4 with a bool mask at D64, pointer path: 8/8 B since the careful dot
+        # re-reads k's rows (which took dQ 16x32 w4 at D80/D128 from 20-28 B to 0)
+        or (kernel == "dq" and not args["USE_TMA"] and args["HAS_MASK"]
+            and args["BLOCK_D"] == 64 and (bm, bn, warps) == (32, 64, 4))
+        # forward 16x64 w4 at head dim 80 on the descriptor path: 128 registers, 4/4 B
+        or (kernel == "fwd" and args["USE_TMA"] and args.get("HEAD_DIM") == 80
+            and (bm, bn, warps) == (16, 64, 4))
+        # forward D256 32x32 w4s1 on the pointer path: 168 registers (ptxas's tier), 20/20 B
+        or (kernel == "fwd" and not args["USE_TMA"] and args["BLOCK_D"] == 256
+            and (bm, bn, warps, config.num_stages) == (32, 32, 4, 1))
+        # forward with a float mask on the pointer path: D64 32x64 w4 (128 registers, 16/24 B),
+        # D128 64x64 w4 (255 registers, 4/4 B)
+        or (kernel == "fwd" and float_mask and warps == 4
+            and (bm, bn, args["BLOCK_D"]) in ((32, 64, 64), (64, 64, 128)))
+    )
 
 
 def _plain_copy(config):
     return triton.Config({**config.kwargs, "WARP_SPECIALIZE": False},
                          num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+# Registers per SM and shared memory per SM on sm_80 / sm_90 (the 227 KiB a block may have, plus
+# the 1 KiB the driver reserves per block).
+_REGS_PER_SM = 65536
+_SHARED_PER_SM = 228 * 1024
+
+
+def _maxnreg(kernel, bm, bn, block_d, block_dv, elem_bytes, stages, warps, live):
+    """The register limit a config runs with (``triton.Config(maxnreg=...)``), or None.
+
+    ptxas, left alone, holds small-tile kernels to an occupancy tier of its own choosing
+    (128 registers: 4 blocks of 4 warps or 2 of 8 per SM; or 168: 3 of 4 warps), whatever the
+    shared memory allows; the NaN rule's careful branch (cold, after the tile loop) no longer
+    fits there, and these variants spilled 4-92 B (bench/aot/README.md, 2026-11-23 second
+    section: no spill was inside a tile loop). Rule: where the config's shared memory already
+    allows no more blocks per SM than a higher register count would, give it that count -- the
+    most registers per thread that keep as many blocks per SM as the shared memory allows (at
+    most 255). Occupancy is unchanged by construction. Only where that is above ptxas's 128
+    tier, and a limit below 255 only for tiles of at most 64 ``live`` values per thread: ptxas
+    gives larger tiles 255 registers by itself where they need them, and a 168 limit there
+    cut fwd bf16 D64 64x128 w4 (bool mask, 255 registers) to 168 and doubled its spills.
+    Shared memory per block as Triton 3.6 lays it out on sm_90: the streamed tiles of
+    ``stages - 1`` buffers plus the resident ones (within a few KiB of ``metadata.shared`` over
+    the gate's cases)."""
+    streamed = _shared_bytes(kernel, bm, bn, block_d, block_dv, elem_bytes, max(stages - 1, 1))
+    blocks = max(1, _SHARED_PER_SM // (streamed + 1024))
+    regs = min(255, _REGS_PER_SM // (blocks * 32 * warps) // 8 * 8)
+    if regs <= 128 or (regs < 255 and live > 64):
+        return None
+    return regs
+
+
+def _with_maxnreg(config, maxnreg):
+    return triton.Config(dict(config.kwargs), num_warps=config.num_warps,
+                         num_stages=config.num_stages, maxnreg=maxnreg)
 
 
 def _prune(configs, named_args, kernel, **kwargs):
@@ -228,6 +327,8 @@ def _prune(configs, named_args, kernel, **kwargs):
     (:data:`_VALUES_PER_THREAD`; less on the pointer path at head dims > 128, and for its
     forward; no spills), tiles within the shared memory of a block, more than one stage unless
     the head dim is > 128.
+    Configs that :func:`_spills` names are dropped; the others get ``maxnreg`` by
+    :func:`_maxnreg`.
     Warp-specialized configs (Triton places their registers itself; fastattn.aot checks them)
     stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
     specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
@@ -241,22 +342,40 @@ def _prune(configs, named_args, kernel, **kwargs):
     ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
              and elem_bytes == 2 and descriptors.warp_specialize_ok())
 
+    def operands(c):
+        return args["USE_TMA"] and kernel != "dkdv" and c.kwargs["BLOCK_M"] < 64
+
     def live(c):
         return _live_values(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
-                            args["BLOCK_DV"], elem_bytes, c.num_warps)
+                            args["BLOCK_DV"], elem_bytes, c.num_warps,
+                            mask=args["HAS_MASK"] and not args["USE_TMA"], operands=operands(c))
 
     def fits_shared(c):
         return _shared_bytes(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
                              args["BLOCK_DV"], elem_bytes, c.num_stages) <= _SHARED_BYTES
 
     limit = _VALUES_PER_THREAD[kernel] * (_POINTER_WIDE if wide and not args["USE_TMA"] else 1)
+    mask_limit = limit  # (the forward's mask tile on the pointer path, above)
     if kernel == "fwd" and not args["USE_TMA"]:
         limit = min(limit, _FWD_POINTER_VALUES)
+
+    def fits(c):
+        if operands(c):
+            return live(c) <= min(limit, _OPERAND_VALUES)
+        if args["HAS_MASK"] and kernel == "fwd" and not args["USE_TMA"]:
+            return _live_values(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                                args["BLOCK_D"], args["BLOCK_DV"], elem_bytes,
+                                c.num_warps) <= limit and live(c) <= mask_limit
+        return live(c) <= limit
     plain = ([c for c in configs if not c.kwargs.get("WARP_SPECIALIZE", False)]
              or [_plain_copy(c) for c in configs])  # WS-only lists run as the plain loop
     kept = [c for c in plain
-            if c.kwargs["BLOCK_M"] <= rows and live(c) <= limit and fits_shared(c)
-            and (wide or c.num_stages > 1)]
+            if c.kwargs["BLOCK_M"] <= rows and fits_shared(c) and (wide or c.num_stages > 1)
+            and fits(c) and not _spills(kernel, c, args)]
+    if not _INTERPRET:  # (WS configs: Triton sizes their warp groups' registers itself)
+        kept = [_with_maxnreg(c, n) if (n := _maxnreg(
+            kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"], args["BLOCK_DV"],
+            elem_bytes, c.num_stages, c.num_warps, live(c))) else c for c in kept]
     if ws_ok:  # after the plain ones: the first kept config is what runs untuned (the tests)
         kept += [c for c in configs if c.kwargs.get("WARP_SPECIALIZE", False)
                  and c.kwargs["BLOCK_M"] <= rows and not wide]
@@ -394,14 +513,20 @@ def _attended(offs_m, offs_n, mask_base, stride_mask_m, stride_mask_n, Lq, Lk, b
 
 
 @triton.jit
-def _masked_dot(acc, a, b, allowed, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+def _masked_dot(acc, a, b, allowed, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+                b_rows=None, stride_b=0, offs_col=None, n_cols=0):
     """``acc + sum_k [allowed_ik] a_ik b_kd`` (a [M, BLOCK_K], b [BLOCK_K, D]) in which a pair
     outside ``allowed`` is skipped, not multiplied by 0 (IEEE 0 * NaN is NaN). The finite part
     of b goes through one tensor-core dot with a's skipped entries set to 0 (exact: 0 * finite
     = 0); each row k of b that holds a non-finite value then adds, for its non-finite features
     only, ``a_ik b_kd`` on the allowed rows i (an inf or NaN added to the finite sum gives what
     IEEE summation in any order gives). The careful path's product; its rank-1 loop runs once
-    per non-finite row of b."""
+    per non-finite row of b. Given ``b_rows`` it reads that row again from memory (b's row k is
+    ``b_rows[k * stride_b + offs_col]``, columns ``>= n_cols`` are padding): picking it out of
+    the register tile b needs a cross-thread reduction of all of b and a layout change, whose
+    registers the fast kernel that holds this cold branch would have to reserve (dQ bf16 D128
+    16x32 w4: 20/24 B of spills at ptxas's 128-register tier, 0 with the reload). Without
+    (b's rows not at a stride: the paged kernel) it picks the row out of b."""
     a = tl.where(allowed, a, 0.0).to(b.dtype)
     bf = b.to(tl.float32)
     finite = bf * 0.0 == 0.0
@@ -414,7 +539,11 @@ def _masked_dot(acc, a, b, allowed, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.con
         col = offs_k == k
         a_k = tl.sum(tl.where(col[None, :], a.to(tl.float32), 0.0), 1)
         ok_k = tl.max(tl.where(col[None, :] & allowed, 1, 0), 1) > 0
-        b_k = tl.sum(tl.where(col[:, None], bf, 0.0), 0)
+        if b_rows is None:
+            b_k = tl.sum(tl.where(col[:, None], bf, 0.0), 0)
+        else:
+            b_k = tl.load(b_rows + k * stride_b + offs_col, mask=offs_col < n_cols,
+                          other=0.0).to(tl.float32)
         acc += tl.where(ok_k[:, None] & (b_k * 0.0 != 0.0)[None, :], a_k[:, None] * b_k[None, :],
                         0.0)
         bad = tl.where(col, 0, bad)
@@ -547,6 +676,8 @@ def _fwd_tile(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_dv
     v = _load_tile(v_src, n0, offs_n, stride_v_n, offs_dv, Lk, HEAD_DIM_V, BLOCK_DV, EDGE,
                    USE_TMA)
     if CAREFUL:
+        # (v's row picked out of the tile: re-reading it cost the forward registers, D64 32x64
+        # w4 0 -> 12 B of spills; it helps the backward's, see _masked_dot)
         acc = _masked_dot(acc * alpha[:, None], p, v, allowed, DOT_PRECISION, BLOCK_N)
     else:
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
@@ -794,6 +925,8 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, mask_base, offs_
     ds = p * (dp - delta[:, None])
     if CAREFUL:
         ds = tl.where(allowed, ds, 0.0)
+        # (rows picked out of the tiles, as in the forward: re-reading them moved dK/dV's
+        # spills around, D64 32x32 w4 0 -> 8-36 B, instead of removing them)
         dv = _masked_dot(dv, tl.trans(p_drop), do, tl.trans(allowed), DOT_PRECISION, BLOCK_M)
         dk = _masked_dot(dk, tl.trans(ds), q, tl.trans(allowed), DOT_PRECISION, BLOCK_M)
     else:
@@ -993,7 +1126,10 @@ def _dq_tile(dq, q, do, lse, delta, k_src, v_src, mask_base, dmask_base, offs_m,
     if NEED_DMASK:
         tl.store(dmask_base + offs_m[:, None] * Lk + offs_n[None, :], ds,
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
-    if CAREFUL:
+    if CAREFUL and BLOCK_D <= 128:
+        dq = _masked_dot(dq, ds, k, allowed, DOT_PRECISION, BLOCK_N, k_src + n0 * stride_k_n,
+                         stride_k_n, offs_d, HEAD_DIM)
+    elif CAREFUL:  # (at D256 the re-read cost registers: 16x32 w4, 0 -> 4-16 B of spills)
         dq = _masked_dot(dq, ds, k, allowed, DOT_PRECISION, BLOCK_N)
     else:
         dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)

@@ -344,6 +344,34 @@ def test_pruner_drops_configs_that_spill(kernel, dtype, d, dropped, first):
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept] == [first]
 
 
+def test_pruner_register_rules_for_sm90():
+    """The register rules fastattn.aot measured (bench/aot/README.md, issue 12): tiles under 64
+    rows on the descriptor path count their K/V tiles, configs measured to spill are dropped,
+    and maxnreg keeps the blocks per SM that shared memory allows."""
+    def prune(kernel, shapes, d=128, **flags):
+        gpu = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": False},
+                             num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+        args = dict(BLOCK_D=d, BLOCK_DV=d, USE_TMA=False, HAS_MASK=False, MASK_BOOL=False,
+                    HAS_DROPOUT=False, Q=torch.empty(0, dtype=torch.bfloat16), lq_bucket=4096)
+        kept = attn._prune(gpu, {}, kernel=kernel, **{**args, **flags})
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept]
+
+    # dQ D256 on the descriptor path: 16x64 holds K and V in registers (208 values), 16x32 fits
+    assert prune("dq", [(16, 64, 4, 3), (16, 32, 4, 2)], d=256, USE_TMA=True) == [(16, 32, 4)]
+    # dQ 32x64 w4 spills on the descriptor path at every head dim, not on the pointer path
+    assert prune("dq", [(32, 64, 4, 3), (64, 64, 8, 3)], d=64, USE_TMA=True) == [(64, 64, 8)]
+    assert prune("dq", [(32, 64, 4, 3), (64, 64, 8, 3)], d=64) == [(32, 64, 4), (64, 64, 8)]
+    # dK/dV 32x32 w8: ptxas's 128-register tier cannot hold it at BLOCK_D 128
+    assert prune("dkdv", [(32, 32, 8, 2), (32, 64, 8, 3)]) == [(32, 64, 8)]
+    assert prune("dkdv", [(32, 32, 8, 2), (32, 64, 8, 3)], d=64) == [(32, 32, 8), (32, 64, 8)]
+    # maxnreg: fwd 16x128 w4s3 D128 bf16 fits one block per SM (255 registers keep it); many
+    # blocks of a small dQ tile fit (none); a 168 cap only for tiles of <= 64 live values
+    assert attn._maxnreg("fwd", 16, 128, 128, 128, 2, 3, 4, live=40) == 255
+    assert attn._maxnreg("dq", 16, 32, 128, 128, 2, 2, 4, live=40) is None
+    assert attn._maxnreg("fwd", 64, 128, 64, 64, 2, 3, 4, live=112) is None
+    assert attn._maxnreg("fwd", 64, 128, 64, 64, 2, 3, 4, live=60) == 168
+
+
 def test_autotune_keys_bucket_lengths():
     """Autotuning is keyed on lengths rounded up to powers of two, so a generation loop over
     lengths 1..4096 tunes each kernel 13 times rather than 4096."""

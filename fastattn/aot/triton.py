@@ -394,6 +394,8 @@ def _config_text(config, kwargs):
     text += f" w{meta.get('num_warps', 4)}s{meta.get('num_stages', 3)}"
     if config is not None and config.kwargs.get("WARP_SPECIALIZE"):
         text += " ws"
+    if config is not None and getattr(config, "maxnreg", None):
+        text += f" r{config.maxnreg}"
     return text
 
 
