@@ -29,8 +29,7 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, plain_eager,
-    triton_kernels,
+    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -414,11 +413,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed, fwd, bwd, jvp, name):
-        if plain_eager():
-            # This Function is the op's autograd: skip the registered op's own (Python) autograd
-            # layer, which would only redispatch below autograd (~20 us a call, measured).
-            with torch._C._AutoDispatchBelowAutograd():
-                return fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
+        # fwd is the registered backend function (skip_autograd: under this Function, grad mode
+        # is off, so in plain eager mode it calls the op below its Python autograd layer)
         return fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
 
     @staticmethod
@@ -494,7 +490,8 @@ _DEFINED = define_op(
     each_op=_fold_vmap_rule,
 )
 # name -> (fwd, bwd, jvp) of the compiled backends; the fused kernels run through _Attention.
-_COMPILED: dict[str, tuple] = {name: (c.fwd, c.bwd, c.jvp) for name, c in _DEFINED.compiled.items()}
+_COMPILED: dict[str, tuple] = {name: (_DEFINED.registered[name], c.bwd, c.jvp)
+                               for name, c in _DEFINED.compiled.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,7 +600,7 @@ def attention(
                                  lq=query.shape[2], lk=key.shape[2])
     args = (scale, offset, left, right, float(dropout_p), int(seed or 0))
     compiled = _COMPILED.get(name)
-    if compiled is None or _DEFINED.registered.get(name) is not impl or torch.compiler.is_compiling():
+    if compiled is None or compiled[0] is not impl or torch.compiler.is_compiling():
         out, lse = impl(query, key, value, mask, *args)
     else:
         out, lse = _Attention.apply(query, key, value, mask, *args, *compiled, name)
