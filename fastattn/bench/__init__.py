@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -149,31 +150,27 @@ def time_fn(
     return statistics.median(times), q[1], q[7]
 
 
-def _openblas_thread_setters() -> list[tuple[Callable, Callable]]:
+@functools.cache
+def _openblas_thread_setters() -> tuple[tuple[Callable, Callable], ...]:
     """(get, set) thread-count functions of every OpenBLAS this process has loaded (NumPy's
-    wheels bundle one, with prefixed names); empty where there is none or no /proc."""
+    wheels bundle one, with prefixed names); empty where there is none or no /proc. Looked up
+    once (NumPy is loaded before the first reference runs)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+            paths = sorted({line.split()[-1] for line in maps if "openblas" in line.lower()})
     except OSError:
-        return []
+        return ()
     found = []
-    for path in sorted(paths):
+    for path in paths:
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for prefix in ("scipy_openblas", "openblas"):
-            for suffix in ("64_", ""):
-                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                put = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                if get is not None and put is not None:
-                    found.append((get, put))
-                    break
-            else:
-                continue
-            break
-    return found
+        names = [(f"{p}_get_num_threads{s}", f"{p}_set_num_threads{s}")
+                 for p in ("scipy_openblas", "openblas") for s in ("64_", "")]
+        pairs = [(getattr(lib, g, None), getattr(lib, t, None)) for g, t in names]
+        found += [pair for pair in pairs if None not in pair][:1]
+    return tuple(found)
 
 
 @contextlib.contextmanager
