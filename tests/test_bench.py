@@ -207,3 +207,40 @@ def test_references_run_on_one_blas_thread():
     with bench.one_blas_thread():
         assert [get() for get, _ in setters] == [1] * len(setters)
     assert [get() for get, _ in setters] == before
+
+
+def test_cpu_providers_are_timed_in_interleaved_rounds():
+    """On a CPU the providers of a case are timed in rounds, one call each in turn (the machine's
+    state falls on all alike, not on the first one timed); a call that raises leaves the rounds
+    with its error and the others go on to their own sample counts."""
+    order = []
+
+    def provider(name, fail_on=None):
+        def call():
+            order.append(name)
+            if order.count(name) == fail_on:
+                raise RuntimeError(f"{name} failed")
+        return call
+
+    results = bench.sample_interleaved([provider("a"), provider("b"), provider("c", fail_on=2)],
+                                       budget_s=0.0)
+    assert "".join(order) == "abcabcab"   # a budget of 0: 3 samples each
+    assert isinstance(results[2], RuntimeError) and str(results[2]) == "c failed"
+    for median, p20, p80 in results[:2]:
+        assert 0 <= p20 <= median <= p80
+
+    # run_case: every provider warmed up (first calls in provider order), then timed in rounds
+    calls = []
+
+    def make():
+        return (torch.randn(4, 8),)
+
+    def tracked(name):
+        def fn(x):
+            calls.append(name)
+            return torch.softmax(x, -1)
+        return fn
+
+    case = bench.Case("softmax", "4x8", torch.float32, "fwd", make, bytes=2 * 4 * 8 * 4)
+    rows = bench.run_case(case, {"p": tracked("p"), "q": tracked("q")}, "cpu", budget_s=0.0)
+    assert "".join(calls[:6]) == "pqpqpq" and all(r.ms for r in rows)

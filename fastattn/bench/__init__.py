@@ -134,20 +134,46 @@ def time_fn(
         return med, p20, p80
     if warmup:
         fn()  # warm-up (first-call allocations, lazy initialization)
-    times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    # Until the budget is spent with at least 5 samples (3 once 3x the budget is spent), or 200.
-    while True:
-        now = time.perf_counter()
-        if len(times) >= 200 or (len(times) >= 5 and now >= deadline):
-            break
-        if len(times) >= 3 and now >= deadline + 2 * budget_s:
-            break
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    q = statistics.quantiles(times, n=10, method="inclusive")
-    return statistics.median(times), q[1], q[7]
+    (result,) = sample_interleaved([fn], budget_s)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> list:
+    """CPU timing of several calls side by side: rounds that run each call once, in turn, so
+    that whatever the machine does meanwhile (another process, a thread pool still spinning
+    after the previous case, the caches the previous provider left) falls on every call alike,
+    not on whichever was timed first. Each call stays in the rounds until its own samples add
+    up to ``budget_s`` with at least 5 of them (3 once they add up to 3x the budget), or 200.
+    Returns (median, 20th, 80th percentile) milliseconds per call, or the exception a call
+    raised (it leaves the rounds)."""
+    times: list[list[float]] = [[] for _ in calls]
+    results: list = [None] * len(calls)
+
+    def done(ts):
+        spent = sum(ts) / 1e3
+        return len(ts) >= 200 or (len(ts) >= 5 and spent >= budget_s) or (
+            len(ts) >= 3 and spent >= 3 * budget_s)
+
+    active = list(range(len(calls)))
+    while active:
+        for i in list(active):
+            start = time.perf_counter()
+            try:
+                calls[i]()
+            except Exception as exc:  # noqa: BLE001 (reported in the provider's row)
+                results[i] = exc
+                active.remove(i)
+                continue
+            times[i].append((time.perf_counter() - start) * 1e3)
+            if done(times[i]):
+                active.remove(i)
+    for i, ts in enumerate(times):
+        if results[i] is None:
+            q = statistics.quantiles(ts, n=10, method="inclusive")
+            results[i] = (statistics.median(ts), q[1], q[7])
+    return results
 
 
 @functools.cache
@@ -322,6 +348,7 @@ def run_case(
     except Exception as exc:  # a reference that cannot run leaves the error column empty
         ref_error = exc
     rows = []
+    pending = []  # CPU: (row, call) timed side by side once every provider is warm
     for name, fn in providers.items():
         row = Result(
             case.op, case.shape, str(case.dtype).replace("torch.", ""), case.mode, name,
@@ -358,12 +385,11 @@ def run_case(
             call = timed_call(case.mode, fn, inputs, out, dout)
             if case.mode != "bwd":
                 out = None
-            # The first call above (with its backward) was the warm-up.
-            row.ms, row.ms_p20, row.ms_p80 = time_fn(call, device, budget_s, warmup=False)
             if device.type == "cuda":
+                row.ms, row.ms_p20, row.ms_p80 = time_fn(call, device, budget_s, warmup=False)
                 row.peak_mem_mb = (torch.cuda.max_memory_allocated(device) - base_mem) / 2**20
-            elif case.cpu_memory:
-                row.peak_mem_mb = cpu_peak_mb(call)
+            else:  # the first call above (with its backward) was the warm-up
+                pending.append((row, call))
         except Exception as exc:  # a provider that cannot run a case says why; the run goes on
             if isinstance(exc, _ProviderError):
                 row.error = str(exc)
@@ -373,6 +399,19 @@ def run_case(
                 torch.cuda.empty_cache()
         finally:
             call = grads = out = None  # noqa: F841  (free the graph before the next provider)
+        rows.append(row)
+    if pending:
+        budget = DEFAULT_BUDGET_S.get(device.type, 0.25) if budget_s is None else budget_s
+        timings = sample_interleaved([call for _, call in pending], budget)
+        for (row, call), timing in zip(pending, timings):
+            if isinstance(timing, Exception):
+                row.error = _error_message(timing, [])
+                continue
+            row.ms, row.ms_p20, row.ms_p80 = timing
+            if case.cpu_memory:
+                row.peak_mem_mb = cpu_peak_mb(call)
+        pending = timings = None
+    for row in rows:
         if row.ms:
             if case.bytes:
                 row.gbps = case.bytes / row.ms / 1e6
@@ -380,7 +419,6 @@ def run_case(
             if case.flops:
                 row.tflops = case.flops / row.ms / 1e9
                 row.peak_fraction = row.tflops / peaks["matmul_tflops"]
-        rows.append(row)
     if ref_error is not None and rows:
         print(f"fastattn bench: the reference of {case.op} {case.shape} {case.mode} failed: {ref_error}", file=sys.stderr)
     naive = next((r.ms for r in rows if r.provider == NAIVE and r.ms), None)
