@@ -187,6 +187,19 @@ _DQ_CONFIGS = _configs(
     (16, 16, 4, 1),
 )
 
+# float32 inputs have configs of their own: their IEEE dots lower to FMA loops (no tensor cores),
+# where each thread holds whole rows of both operands, so the register model below does not
+# apply. These are the configs that compiled with 0 spills at head dims 64, 80, 128 and 256 on
+# sm_90 (Triton 3.6, pointer path, which float32 takes: kernels.descriptors.use_tma), out of 17
+# small tiles tried per kernel (bench/aot/README.md); the first runs untuned. 32-row forward tiles
+# for decoding too: no 16-row one was clean at every head dim.
+_FP32_CONFIGS = {
+    "fwd": _configs([(32, 16, 8, 2), (32, 16, 8, 3), (32, 16, 8, 1)], (16, 16, 4, 1),
+                    WARP_SPECIALIZE=False),
+    "dkdv": _configs([(32, 16, 8, 1)], (16, 16, 4, 1)),
+    "dq": _configs([(16, 16, 4, 2), (16, 16, 4, 1)], (16, 16, 4, 1)),
+}
+
 # Register budget per kernel, in live tile values per thread (a float32 value is one register,
 # a 16-bit one half): what each program keeps across its key/query loop, divided by its
 # threads. The limits are the largest that compile without spills for sm_90 (fastattn.aot
@@ -308,6 +321,11 @@ def _maxnreg(kernel, bm, bn, block_d, block_dv, elem_bytes, stages, warps, live)
     Shared memory per block as Triton 3.6 lays it out on sm_90: the streamed tiles of
     ``stages - 1`` buffers plus the resident ones (within a few KiB of ``metadata.shared`` over
     the gate's cases)."""
+    if kernel == "fwd" and bm == 16 and max(block_d, block_dv) > 128:
+        # Decoding at head dims > 128 (16-row tiles are all a single query keeps): ptxas holds
+        # fp16 16x32 w4s1 at its 168 tier and spills 24-40 B; bf16 takes 191-193 registers by
+        # itself, i.e. the 2 blocks of 4 warps per SM that 255 gives both.
+        return 255
     streamed = _shared_bytes(kernel, bm, bn, block_d, block_dv, elem_bytes, max(stages - 1, 1))
     blocks = max(1, _SHARED_PER_SM // (streamed + 1024))
     regs = min(255, _REGS_PER_SM // (blocks * 32 * warps) // 8 * 8)
@@ -333,12 +351,14 @@ def _prune(configs, named_args, kernel, **kwargs):
     stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
     specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
     specialization handles), where :func:`descriptors.warp_specialize_ok`.
-    Never returns nothing (the config with the fewest live values); only the first config when
-    autotuning is off (kernels.tuning)."""
+    float32 takes :data:`_FP32_CONFIGS` instead. Never returns nothing (the config with the
+    fewest live values); only the first config when autotuning is off (kernels.tuning)."""
     args = {**named_args, **kwargs}
+    elem_bytes = args["Q"].element_size()
+    if elem_bytes == 4 and not _INTERPRET:
+        return tuning.limit(_FP32_CONFIGS[kernel])
     rows = max(16, args["lq_bucket"])
     wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
-    elem_bytes = args["Q"].element_size()
     ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
              and elem_bytes == 2 and descriptors.warp_specialize_ok())
 

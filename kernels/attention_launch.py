@@ -91,6 +91,18 @@ def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _bwd_delta(out, dout, delta, strides, slices, H, Lq, Dv):
+    """delta[slice, row] = rowsum(dO * O) in float32, the backward's first launch (dense and
+    packed): ``slices`` (batch, head) slices of Lq rows, ``strides`` the batch, head and row
+    strides of out, then of dout. float32 rows at 8 warps: at 4, the 64 x 128 float32 tiles of
+    O and dO spilled 4/4 B on sm_90 (D80, D128)."""
+    torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(Lq, _PRE_BLOCK_M) * slices,)](
+        out, dout, delta, *strides, H, Lq,
+        HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
+        num_warps=8 if out.dtype == torch.float32 else 4,
+    )
+
+
 def _strides3(*tensors):
     """The batch, head and row strides of each (B, H, L, D) tensor, in order."""
     return tuple(s for t in tensors for s in t.stride()[:3])
@@ -219,11 +231,7 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         return dq, dk, dv, dmask
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
 
-    pre_grid = (triton.cdiv(Lq, _PRE_BLOCK_M) * B * H,)
-    torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[pre_grid](
-        out, dout, delta, *_strides3(out, dout), H, Lq,
-        HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
-    )
+    _bwd_delta(out, dout, delta, _strides3(out, dout), B * H, H, Lq, Dv)
 
     def grid_kv(meta):
         return (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)

@@ -3,7 +3,8 @@ their loops: one policy for every launcher.
 
 * ``TMA`` (FASTATTN_TRITON_TMA: auto, 1, 0) and :func:`use_tma`: the descriptor path is taken on
   compute capability >= 9 when the installed Triton has ``tl.make_tensor_descriptor``, the
-  tensors are 16-byte aligned (base and walked strides) and torch.compile is not tracing;
+  tensors are 16-bit (float32 only when forced), 16-byte aligned (base and walked strides) and
+  torch.compile is not tracing;
 * :func:`warp_specialize_ok`: warp-specialized configs are autotuned only on Hopper and newer,
   with a Triton whose ``tl.range`` takes ``warp_specialize``;
 * :func:`launch`: should the installed Triton fail to build or run either feature on this GPU,
@@ -75,8 +76,13 @@ def tma_for(device_type):
 
 def use_tma(*tensors):
     """Whether a launch on these (B, H, L, D) tensors takes the descriptor path. Never while
-    torch.compile traces (the compiled graph launches the pointer kernels)."""
+    torch.compile traces (the compiled graph launches the pointer kernels), nor for float32 unless
+    TMA is "1": its IEEE dots are FMA loops, and on sm_90 every small float32 tile tried on the
+    descriptor path spilled 0.3-58 KB at head dims >= 80 (dQ at 64 too), where the
+    pointer path has configs that do not spill at all (bench/aot/README.md)."""
     if not tma_for(tensors[0].device.type):
+        return False
+    if tensors[0].dtype == torch.float32 and tma_mode() == "auto":
         return False
     if torch.compiler.is_compiling() or any(is_fake(t) for t in tensors):
         return False

@@ -46,8 +46,6 @@ from .attention import (
     _INTERPRET,
     _LOG2E,
     _MAX_HEAD_DIM,
-    _PRE_BLOCK_M,
-    _attn_bwd_preprocess_kernel,
     _dkdv_tiles,
     _dot,
     _dq_tiles,
@@ -68,7 +66,7 @@ from .attention import (
     _store_dq,
     _store_rows,
 )
-from .attention_launch import _dot_precision, _dropout_args, _head_block
+from .attention_launch import _bwd_delta, _dot_precision, _dropout_args, _head_block
 
 # One fixed tile shape per kernel (no autotuning yet): 16 x 16 under the interpreter; on a GPU
 # the shapes that compile for sm_90 without register spills (checked with fastattn.aot's
@@ -485,10 +483,8 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
     delta = torch.empty((H, total_q), dtype=torch.float32, device=q.device)
     if total_q:
         # delta = rowsum(dO * O): the dense preprocess on the (1, H, total_q) view.
-        torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(total_q, _PRE_BLOCK_M) * H,)](
-            out, dout, delta, 0, out.stride(1), out.stride(0), 0, dout.stride(1), dout.stride(0),
-            H, total_q, HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
-        )
+        _bwd_delta(out, dout, delta, (0, out.stride(1), out.stride(0), 0, dout.stride(1),
+                                      dout.stride(0)), H, H, total_q, Dv)
     if max_k:
         torch.library.wrap_triton(_varlen_dkdv_kernel)[(triton.cdiv(max_k, block_n), batch, Hkv)](
             q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,

@@ -35,13 +35,9 @@ H100 = {"capability": (9, 0), "sms": 132, "shared_bytes": 227 * 1024}
 #: (kernel, a word of the case) -> (bytes of spill stores + loads allowed, why). Every other
 #: variant may not spill at all.
 SPILL_BUDGET: dict[tuple[str, str], tuple[int, str]] = {
-    # float32 dots are IEEE (docs/numerics.md): on sm_90 Triton lowers them to FMAs, without tensor
-    # cores, and every tile shape tried spills 1-45 KB (even 32x32 x 4 warps; tf32x3 dots still
-    # spill at 32x32). A correctness path, not a fast one, until it is rebuilt: its spills are
-    # reported, not gated.
-    **{(kernel, "fp32"): (1 << 20, "float32 IEEE dots lower to FMAs on sm_90")
-       for kernel in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")},
+    # (none: float32 attention has configs of its own that do not spill, kernels/attention.py)
 }
+
 
 #: Features a kernel's SASS must hold on the descriptor path (attention): TMA loads. A
 #: warp-specialized config must also hold setmaxnreg (else Triton did not specialize it).
@@ -116,12 +112,14 @@ def _attention_cases():
         for d in (64, 128, 256, 80):
             quick = dtype == torch.bfloat16 and d in (64, 128)
             tag = f"{_SHORT[dtype]} D{d}"
+            # float32 never takes the descriptor path on its own (kernels.descriptors.use_tma)
+            paths = ("0",) if dtype == torch.float32 else ("1", "0")
             # Every kept config for the causal case (it has the most code: edge and interior
             # loops); the others differ in flags that barely move register pressure.
-            cases.append(Case("attention", f"{tag} L4k", attn(d, dtype), quick, ("1", "0"),
+            cases.append(Case("attention", f"{tag} L4k", attn(d, dtype), quick, paths,
                               tune=False))
             cases.append(Case("attention", f"{tag} L4k causal", attn(d, dtype, causal=True),
-                              quick, ("1", "0")))
+                              quick, paths))
             if dtype == torch.float32:
                 continue
             cases.append(Case("attention", f"{tag} decode 1x4k", attn(d, dtype, L=1, Lk=4096,
