@@ -270,16 +270,16 @@ def test_tma_path_choice(monkeypatch):
     monkeypatch.setattr(descriptors, "TMA", "auto")
     hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     assert descriptors.use_tma(x) == (hopper and descriptors.HAS_DESCRIPTORS)
+    monkeypatch.setattr(descriptors, "TMA", "yes")
+    with pytest.raises(ValueError, match="FASTATTN_TRITON_TMA"):
+        descriptors.use_tma(x)
     # float32 (FMA dots) keeps to the pointer path unless forced: as on a Hopper GPU here
     x32 = x.float()
+    monkeypatch.setattr(descriptors, "TMA", "auto")
     monkeypatch.setattr(descriptors, "tma_for", lambda device_type: True)
     assert descriptors.use_tma(x) and not descriptors.use_tma(x32, x32)
     monkeypatch.setattr(descriptors, "TMA", "1")
     assert descriptors.use_tma(x32, x32)
-    monkeypatch.setattr(descriptors, "TMA", "auto")
-    monkeypatch.setattr(descriptors, "TMA", "yes")
-    with pytest.raises(ValueError, match="FASTATTN_TRITON_TMA"):
-        descriptors.use_tma(x)
 
 
 def test_tma_failure_falls_back_once(monkeypatch):
