@@ -255,7 +255,9 @@ def _match_mlp(module):
 
 def _match_rotary(module):
     cls = type(module)
-    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    forward = getattr(cls, "forward", None)
+    # (through decorators: transformers 5.24 wraps attention forwards in deprecate_kwarg)
+    code = getattr(inspect.unwrap(forward) if callable(forward) else None, "__code__", None)
     if code is None or "apply_rotary_pos_emb" not in code.co_names:
         return None, None
     fn = getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
