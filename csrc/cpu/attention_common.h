@@ -403,13 +403,15 @@ inline std::vector<uint8_t> masked_key_tiles(const cpu::MaskView& mask, int64_t 
   if (!mask.defined() || mask.stride[2] != 0) return {};
   const int64_t ntiles = ceil_div(lk, bk);
   std::vector<uint8_t> dead(B * H * ntiles, 0);
+  std::vector<float> row(bk);  // the mask applied to zeros: -inf exactly where it removes a key
   bool any = false;
   for (int64_t bh = 0; bh < B * H; ++bh) {
     for (int64_t t = 0; t < ntiles; ++t) {
       const int64_t j0 = t * bk, nk = std::min(bk, lk - j0);
-      const int64_t off = mask.offset(bh / H, bh % H, 0, j0);
-      bool kept = false;
-      for (int64_t c = 0; c < nk && !kept; ++c) kept = cpu::mask_keeps(mask, off + c * mask.stride[3]);
+      std::fill(row.begin(), row.begin() + nk, 0.f);
+      cpu::apply_mask_row(row.data(), nk, mask, mask.offset(bh / H, bh % H, 0, j0), mask.stride[3]);
+      const bool kept = std::any_of(row.begin(), row.begin() + nk,
+                                    [](float x) { return x != -std::numeric_limits<float>::infinity(); });
       dead[bh * ntiles + t] = !kept;
       any = any || !kept;
     }

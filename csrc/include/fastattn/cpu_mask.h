@@ -111,22 +111,6 @@ FASTATTN_INLINE void apply_mask_row_typed(A* s, int64_t n, const M* m, int64_t s
   }
 }
 
-// Whether the mask keeps entry `offset` (bool: true; float: not -inf).
-inline bool mask_keeps(const MaskView& mask, int64_t offset) {
-  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-  switch (mask.kind) {
-    case MaskKind::kBool: return static_cast<const uint8_t*>(mask.ptr)[offset] != 0;
-    case MaskKind::kFloat: return static_cast<const float*>(mask.ptr)[offset] != neg_inf;
-    case MaskKind::kDouble: return static_cast<const double*>(mask.ptr)[offset] != neg_inf;
-    case MaskKind::kHalf:
-      return static_cast<float>(static_cast<const c10::Half*>(mask.ptr)[offset]) != neg_inf;
-    case MaskKind::kBFloat16:
-      return to_acc<float>(static_cast<const c10::BFloat16*>(mask.ptr)[offset]) != neg_inf;
-    case MaskKind::kNone: break;
-  }
-  return true;
-}
-
 // s[c] += mask[offset + c * stride] for c < n (float masks; s[c] = -inf where the mask is -inf),
 // or s[c] = -inf where a bool mask is false.
 template <class A>
