@@ -270,42 +270,41 @@ struct PagedArgs {
   A *pm, *pl, *po;  // partials per (b, kv head, split, row): max, sum, unnormalized O (Dv)
 };
 
-// S[r * ld + jj] = q_r . k_jj for R rows of q (D apart) and keys jj < nv (whole vectors) of the
-// transposed key tile kt (D x ld): R rows by two vectors of keys at once, 2R independent FMA
-// chains and each key vector loaded once for the R rows (one chain per row and vector waits on
-// the FMA latency: measured ~4x slower).
+// S[r * ld + jj + c] = q_r . k_(jj + c) for R rows of q (D apart) and the N key vectors from jj
+// (c < N * W) of the transposed key tile kt (D x ld): R * N independent FMA chains, each key
+// vector loaded once for the R rows.
+template <class V, int R, int N>
+FASTATTN_INLINE void paged_score_block(const typename V::value_type* q, int64_t D,
+                                       const typename V::value_type* kt, int64_t ld, int64_t jj,
+                                       typename V::value_type* S) {
+  using A = typename V::value_type;
+  constexpr int64_t W = V::size;
+  V s[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) s[r][c] = V(A(0));
+  for (int64_t d = 0; d < D; ++d) {
+    V k[N];
+    for (int c = 0; c < N; ++c) k[c] = V::load(kt + d * ld + jj + c * W);
+    for (int r = 0; r < R; ++r) {
+      const V qd(q[r * D + d]);
+      for (int c = 0; c < N; ++c) s[r][c] = fma(qd, k[c], s[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) s[r][c].store(S + r * ld + jj + c * W);
+}
+
+// The scores of R rows against keys jj < nv (whole vectors): two key vectors at a time (2R
+// chains: one chain per row and vector waits on the FMA latency, measured ~4x slower), then the
+// one vector left, if any.
 template <class V, int R>
 FASTATTN_INLINE void paged_scores(const typename V::value_type* q, int64_t D,
                                   const typename V::value_type* kt, int64_t ld, int64_t nv,
                                   typename V::value_type* S) {
-  using A = typename V::value_type;
   constexpr int64_t W = V::size;
   int64_t jj = 0;
-  for (; jj + 2 * W <= nv; jj += 2 * W) {
-    V s0[R], s1[R];
-    for (int r = 0; r < R; ++r) s0[r] = s1[r] = V(A(0));
-    for (int64_t d = 0; d < D; ++d) {
-      const V k0 = V::load(kt + d * ld + jj), k1 = V::load(kt + d * ld + jj + W);
-      for (int r = 0; r < R; ++r) {
-        const V qd(q[r * D + d]);
-        s0[r] = fma(qd, k0, s0[r]);
-        s1[r] = fma(qd, k1, s1[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      s0[r].store(S + r * ld + jj);
-      s1[r].store(S + r * ld + jj + W);
-    }
-  }
-  if (jj < nv) {  // one vector of keys left
-    V s0[R];
-    for (int r = 0; r < R; ++r) s0[r] = V(A(0));
-    for (int64_t d = 0; d < D; ++d) {
-      const V k0 = V::load(kt + d * ld + jj);
-      for (int r = 0; r < R; ++r) s0[r] = fma(V(q[r * D + d]), k0, s0[r]);
-    }
-    for (int r = 0; r < R; ++r) s0[r].store(S + r * ld + jj);
-  }
+  for (; jj + 2 * W <= nv; jj += 2 * W) paged_score_block<V, R, 2>(q, D, kt, ld, jj, S);
+  if (jj < nv) paged_score_block<V, R, 1>(q, D, kt, ld, jj, S);
 }
 
 // o[0, U * W) = alpha * o + sum_{lo <= jj <= hi} p[jj] * v[jj * ld + (0, U * W)]: U slices of the
