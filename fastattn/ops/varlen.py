@@ -362,13 +362,13 @@ def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra:
     table, lens, room = block_table.cpu(), cache_seqlens.cpu(), torch.as_tensor(room).cpu()
     bad_entry, over = torch.as_tensor(bad_entry).cpu(), torch.as_tensor(over).cpu()
     if bool(bad_entry.any()):
-        b, s = torch.nonzero(bad_entry.cpu())[0].tolist()
+        b, s = torch.nonzero(bad_entry)[0].tolist()
         raise ValueError(f"block_table[{b}, {s}] = {int(table[b, s])} is not a block of the caches "
                          f"(0 <= index < num_blocks = {num_blocks}, or -1 for no block)")
     if bool((lens < 0).any()):
         raise ValueError(f"cache_seqlens must be >= 0, got {lens.tolist()}")
     if bool(over.any()):
-        b = int(torch.nonzero(over.cpu())[0, 0])
+        b = int(torch.nonzero(over)[0, 0])
         what = f"cache_seqlens[{b}] = {int(lens[b])}" + (f" + {extra} new tokens" if extra else "")
         raise ValueError(f"{what} exceeds the {int(room[b])} positions of the blocks row {b} of "
                          f"block_table owns (block_size {bs})")
