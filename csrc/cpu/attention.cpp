@@ -455,7 +455,8 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 // called where it is the faster kernel and computes exactly this op's contract
 // (docs/backends.md): the forward of non-causal attention (the band is everything) with no mask,
 // no dropout, H == Hkv, D == Dv, in float32 or bfloat16. No key is masked out there, so the NaN
-// rule is plain IEEE arithmetic, which torch's kernel follows (tests/test_nan.py, "full-band").
+// rule is plain IEEE arithmetic, which torch's kernel follows (tests/test_nan.py, "full-band")
+// but for a NaN query row on AVX-512 (below).
 // Same lse convention (natural log, float32, (B, H, Lq)), so our backward takes its output.
 // Measured per thread on AVX2 (bench/results/cpu-notes.md): torch's forward 7-10% faster there;
 // our backward as fast in float32 and ~3.9x faster in bfloat16, our causal forward faster, so
@@ -472,7 +473,12 @@ bool use_torch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     return false;
   }
   // every query sees every key
-  return band.lo <= -(q.size(2) - 1) && band.hi >= k.size(2) - 1;
+  if (!(band.lo <= -(q.size(2) - 1) && band.hi >= k.size(2) - 1)) return false;
+  // A NaN in a query row: torch 2.13's AVX-512 kernel outputs 0 for that row where IEEE
+  // arithmetic, the NaN rule and its own AVX2 kernel give NaN (measured on an AVX-512 machine,
+  // tests/test_nan.py "full-band"); such inputs take our kernel. One pass over q, against the
+  // Lq x Lk x D of the attention.
+  return !at::isnan(q).any().item<bool>();
 }
 
 void log_torch_kernel(const char* which) {
