@@ -510,6 +510,8 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         env["device"] = _cpu_name()
         env["cpus"] = os.cpu_count()
         env["cpu_isa"] = _cpu_isa()
+        # the ISA of torch's own CPU kernels (the peers'), capped by $ATEN_CPU_CAPABILITY
+        env["torch_cpu_isa"] = torch.backends.cpu.get_cpu_capability().lower()
     env["commit"] = _git("rev-parse", "--short", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     env["commit_dirty"] = None if status is None else bool(status)
