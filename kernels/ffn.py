@@ -103,15 +103,31 @@ PARTIAL_ROWS = min(c.kwargs["BLOCK_M"] for c in _CONFIGS)
 assert all(c.kwargs["BLOCK_M"] % PARTIAL_ROWS == 0 for c in _CONFIGS)
 
 
+# float32's IEEE products are FMA loops (no tensor cores) in which each thread holds whole rows
+# of both operand tiles: the tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) that compiled without
+# spills in every float32 launch of the Hopper gate (plain, gelu, relu, swiglu, forward and
+# gradient epilogues; sm_90, Triton 3.6). 128x256x64 w8, 128x128x32 and 64x256x32 w4 spilled
+# 0.3-6 KB in plain products, 128x128x64 w8 79 KB with the gated epilogue (bench/aot/README.md).
+_FP32_TILES = {(64, 64, 64, 4), (32, 64, 32, 2)}
+
+
+def _tile(config):
+    k = config.kwargs
+    return k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], config.num_warps
+
+
 def _prune_configs(configs, named_args, **kwargs):
     """Drop tiles whose activation epilogue would spill registers (checked with ptxas, sm_90).
 
     Plain products keep every config; a forward activation epilogue keeps <= 64 accumulator
     values per thread, an activation-gradient epilogue (it also loads the pre tile(s) and writes
     two outputs) <= 32, gated or not (non-gated 128x128 with 8 warps = 64 spilled 724 B).
-    Only the first kept config when autotuning is off (kernels.tuning).
+    float32 keeps only :data:`_FP32_TILES`. Only the first kept config when autotuning is off
+    (kernels.tuning).
     """
     args = {**named_args, **kwargs}
+    if args["A"].dtype == torch.float32 and not _INTERPRET:
+        configs = [c for c in configs if _tile(c) in _FP32_TILES]
     if args["ACTIVATION"] == _IDENTITY.value:
         return tuning.limit(configs)
     per_thread = 32 if args["ACT_GRAD"] else 64

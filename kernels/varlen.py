@@ -85,6 +85,15 @@ def _tiles(D, Dv, backward=False):
     return (64, 64, 4) if wide <= 64 else (32, 64, 4) if wide <= 128 else (32, 32, 8)
 
 
+def _paged_registers(D, Dv):
+    """The paged forward's register limit: at head dims <= 64 ptxas holds it to 96 registers
+    (its 5-blocks tier; shared memory would allow 11), where the fp16 kernel spilled 4/4 B on
+    sm_90; 128 keeps 4 blocks of 4 warps per SM and compiles clean (bench/aot/README.md)."""
+    if _INTERPRET or max(D, Dv) > 64:
+        return {}
+    return {"maxnreg": 128}
+
+
 @triton.jit
 def _sequence(Cu, b):
     """Start (int64) and length of sequence b of a cu_seqlens array."""
@@ -545,7 +554,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b,
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=_STAGES,
+        num_warps=warps, num_stages=_STAGES, **_paged_registers(D, Dv),
     )
     # Merge the splits: lse = logsumexp_s lse_s, O = sum_s exp(lse_s - lse) O_s.
     lse.copy_(torch.logsumexp(lse_part, dim=-1))
