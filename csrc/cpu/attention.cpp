@@ -462,6 +462,28 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 // our backward as fast in float32 and ~3.9x faster in bfloat16, our causal forward faster, so
 // nothing else is dispatched. FASTATTN_CPU_TORCH_ATTENTION=0 turns this off (read on every
 // call); the first call that takes it is logged (INFO).
+// Whether x holds a NaN or an infinity (all exponent bits set). Contiguous float32 / bfloat16:
+// integer tests in chunks that the compiler vectorizes, stopping at the first chunk with one
+// (~15x faster than at::isnan(x).any(), which measured 0.34 ms for 4x4x256x64 on one thread);
+// anything else through at::isfinite.
+bool any_nonfinite(const at::Tensor& x) {
+  auto scan = [&x](auto word, auto exponent) {
+    using W = decltype(word);
+    const W* bits = static_cast<const W*>(x.const_data_ptr());
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; i += 4096) {
+      const int64_t end = std::min(n, i + 4096);
+      W bad = 0;
+      for (int64_t j = i; j < end; ++j) bad |= static_cast<W>((bits[j] & exponent) == exponent);
+      if (bad) return true;
+    }
+    return false;
+  };
+  if (x.is_contiguous() && x.scalar_type() == at::kFloat) return scan(uint32_t{}, uint32_t{0x7F800000u});
+  if (x.is_contiguous() && x.scalar_type() == at::kBFloat16) return scan(uint16_t{}, uint16_t{0x7F80u});
+  return !at::isfinite(x).all().item<bool>();
+}
+
 bool use_torch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& mask, double dropout_p, const Band& band) {
   if (const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION")) {
@@ -474,11 +496,10 @@ bool use_torch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
   // every query sees every key
   if (!(band.lo <= -(q.size(2) - 1) && band.hi >= k.size(2) - 1)) return false;
-  // A NaN in a query row: torch 2.13's AVX-512 kernel outputs 0 for that row where IEEE
+  // A NaN in a query row: torch 2.13's AVX-512 kernel outputs 0 for that row (lse 0) where IEEE
   // arithmetic, the NaN rule and its own AVX2 kernel give NaN (measured on an AVX-512 machine,
-  // tests/test_nan.py "full-band"); such inputs take our kernel. One pass over q, against the
-  // Lq x Lk x D of the attention.
-  return !at::isnan(q).any().item<bool>();
+  // tests/test_nan.py "full-band"); a q with a NaN or an infinity takes our kernel.
+  return !any_nonfinite(q);
 }
 
 void log_torch_kernel(const char* which) {
