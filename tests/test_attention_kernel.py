@@ -377,6 +377,39 @@ def test_pruner_register_rules_for_sm90():
     assert attn._maxnreg("dq", 16, 32, 128, 128, 2, 2, 4, live=40) is None
     assert attn._maxnreg("fwd", 64, 128, 64, 64, 2, 3, 4, live=112) is None
     assert attn._maxnreg("fwd", 64, 128, 64, 64, 2, 3, 4, live=60) == 168
+    # decoding at head dims > 128: 16-row forward tiles get 255 (fp16 16x32 w4s1 spilled at 168)
+    assert attn._maxnreg("fwd", 16, 32, 256, 256, 2, 1, 4, live=52) == 255
+
+
+def test_float32_configs_for_sm90(monkeypatch):
+    """float32 (IEEE dots: FMA loops) gets tiles of its own on a GPU, measured clean for sm_90 by
+    fastattn.aot (bench/aot/README.md): attention's per-kernel lists, the FFN's two tiles, and the
+    paged forward's register limit at small head dims."""
+    from fastattn.kernels import ffn, varlen
+
+    monkeypatch.setattr(attn, "_INTERPRET", False)
+    big = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "WARP_SPECIALIZE": False}, num_warps=8,
+                         num_stages=3)]
+    args = dict(BLOCK_D=128, BLOCK_DV=128, USE_TMA=False, HAS_MASK=False, HAS_DROPOUT=False,
+                lq_bucket=4096)
+    for kernel in ("fwd", "dkdv", "dq"):
+        kept = attn._prune(big, {}, kernel=kernel, Q=torch.empty(0, dtype=torch.float32), **args)
+        assert kept == attn._FP32_CONFIGS[kernel][:len(kept)] and kept
+        kept16 = attn._prune(big, {}, kernel=kernel, Q=torch.empty(0, dtype=torch.bfloat16), **args)
+        assert all(c.kwargs["BLOCK_M"] == 128 for c in kept16)  # 16-bit: the list it was given
+
+    monkeypatch.setattr(ffn, "_INTERPRET", False)
+    tiles = [(128, 256, 64, 8), (64, 64, 64, 4), (32, 64, 32, 2)]
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                             num_warps=w, num_stages=3) for bm, bn, bk, w in tiles]
+    for dtype, want in ((torch.float32, tiles[1:2]), (torch.bfloat16, tiles[:1])):
+        kept = ffn._prune_configs(configs, {"A": torch.empty(0, dtype=dtype)},
+                                  ACTIVATION=ffn._IDENTITY.value)
+        assert [ffn._tile(c) for c in kept][:1] == want
+
+    monkeypatch.setattr(varlen, "_INTERPRET", False)
+    assert varlen._paged_registers(64, 64) == {"maxnreg": 128}
+    assert varlen._paged_registers(128, 128) == {}
 
 
 def test_autotune_keys_bucket_lengths():
