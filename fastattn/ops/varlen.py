@@ -347,10 +347,20 @@ def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra:
     # on tiny tensors); elsewhere on the device, with one device-to-host sync.
     host = block_table.device.type == "cpu"
     table, lens = (block_table.numpy(), cache_seqlens.numpy()) if host else (block_table, cache_seqlens)
-    bad_entry = (table < -1) | (table >= num_blocks)
-    room = _owned_slots(table) * bs
-    over = (lens < 0) | (lens + extra > room)
-    failed = bad_entry.any() | over.any()
+
+    def value_flags():  # per entry: not a block; per row: the slots it owns, a length over them
+        bad_entry = (table < -1) | (table >= num_blocks)
+        room = _owned_slots(table) * bs
+        return bad_entry, room, (lens < 0) | (lens + extra > room)
+
+    # On the CPU, a table with no unused (-1) entry passes in four reductions, the same test:
+    # every row then owns all its slots (measured 26 -> 11-16 us at B1, max_blocks 64).
+    if (host and table.size and table.min() >= 0 and int(table.max()) < num_blocks
+            and lens.min() >= 0 and int(lens.max()) + extra <= table.shape[1] * bs):
+        failed = False
+    else:
+        bad_entry, room, over = value_flags()
+        failed = bad_entry.any() | over.any()
     if extra and B:
         pos = cache_seqlens.long()[:, None] + torch.arange(extra, device=q.device)
         slots = block_table.long().gather(1, torch.clamp(pos // bs, max=block_table.shape[1] - 1)) * bs + pos % bs
@@ -359,8 +369,8 @@ def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra:
     if not bool(failed):
         return
     # Diagnose on the host.
-    table, lens, room = block_table.cpu(), cache_seqlens.cpu(), torch.as_tensor(room).cpu()
-    bad_entry, over = torch.as_tensor(bad_entry).cpu(), torch.as_tensor(over).cpu()
+    bad_entry, room, over = (torch.as_tensor(flags).cpu() for flags in value_flags())
+    table, lens = block_table.cpu(), cache_seqlens.cpu()
     if bool(bad_entry.any()):
         b, s = torch.nonzero(bad_entry)[0].tolist()
         raise ValueError(f"block_table[{b}, {s}] = {int(table[b, s])} is not a block of the caches "
