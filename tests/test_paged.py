@@ -203,6 +203,10 @@ def _bad_cases():
         ("table out of range", ValueError, "block_table", lambda: attend(block_table=i32([0, 1, -1], [2, 9, 3]))),
         ("table negative", ValueError, "block_table", lambda: attend(block_table=i32([0, -2, -1], [2, 3, 4]))),
         ("seqlens above blocks", ValueError, "cache_seqlens", lambda: attend(cache_seqlens=i32(9, 9))),
+        # tables with no unused (-1) entry (the CPU's fast check): out of range, over the row
+        ("full table out of range", ValueError, "block_table", lambda: attend(block_table=i32([0, 1, 2], [2, 9, 3]))),
+        ("full table seqlens above", ValueError, "cache_seqlens", lambda: attend(
+            block_table=i32([0, 1, 2], [2, 3, 4]), cache_seqlens=i32(5, 13))),
         ("seqlens int64", TypeError, "cache_seqlens", lambda: attend(cache_seqlens=torch.tensor([5, 9]))),
         ("seqlens negative", ValueError, "cache_seqlens", lambda: attend(cache_seqlens=i32(-1, 9))),
         ("cache dtype", TypeError, "v_cache", lambda: attend(v_cache=torch.zeros(5, 4, 2, 16, dtype=torch.float64))),
