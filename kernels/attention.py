@@ -190,7 +190,7 @@ _DQ_CONFIGS = _configs(
 # float32 inputs have configs of their own: their IEEE dots lower to FMA loops (no tensor cores),
 # where each thread holds whole rows of both operands, so the register model below does not
 # apply. These are the configs that compiled with 0 spills at head dims 64, 80, 128 and 256 on
-# sm_90 (Triton 3.6, pointer path, which float32 takes: kernels.descriptors.use_tma), out of 17
+# sm_90 (Triton 3.6, pointer path, which float32 takes: kernels.descriptors.use_tma), out of 12
 # small tiles tried per kernel (bench/aot/README.md); the first runs untuned. 32-row forward tiles
 # for decoding too: no 16-row one was clean at every head dim.
 _FP32_CONFIGS = {
