@@ -410,7 +410,6 @@ def run_case(
             row.ms, row.ms_p20, row.ms_p80 = timing
             if case.cpu_memory:
                 row.peak_mem_mb = cpu_peak_mb(call)
-        pending = timings = None
     for row in rows:
         if row.ms:
             if case.bytes:
