@@ -63,6 +63,9 @@ class Capability:
     limits: Callable[..., str | None] | None = None
 
 
+_NO_CAPABILITY = Capability()  # an op the backend declares nothing about
+
+
 @dataclass
 class Backend:
     """A backend: which device types it runs on, why it may be unavailable, its op
@@ -95,7 +98,7 @@ class Backend:
         self, op: str, device: torch.device, dtype: torch.dtype | None, facts: dict, needs: tuple[str, ...] = ()
     ) -> str | None:
         """Why this backend cannot run ``op`` on these inputs, or None when it can."""
-        cap = self.caps.get(op, Capability())
+        cap = self.caps.get(op, _NO_CAPABILITY)
         problem = self.missing.get(op) or self.unavailable()
         if problem is None and op not in self.impls:
             problem = f"it has no implementation of {op}"

@@ -139,3 +139,65 @@ def test_cuda_attention_declares_16_bit_inputs_only():
     cap = backends.capability("attention", "cuda")
     assert cap.dtypes == (torch.float16, torch.bfloat16)
     assert cap.limits(head_dim=512) and cap.limits(head_dim=128, lq=1 << 30)
+
+
+def _eager_fast_path_calls():
+    """One call per op with a backward, on the cpu backend: (function of the inputs, inputs)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x, res, w, b = rand(3, 5, 16), rand(3, 5, 16), rand(16), rand(16)
+    w1, b1, w2, b2 = rand(24, 16), rand(24), rand(16, 24), rand(16)
+    s, mask = rand(2, 3, 7, 9), rand(7, 9)
+    q = rand(1, 2, 6, 8)
+    cpu = dict(backend="cpu")
+    return [
+        (lambda x, res, w, b: fastattn.add_layer_norm(x, res, 16, w, b, **cpu), (x, res, w, b)),
+        (lambda x, w: fastattn.rms_norm(x, 16, w, **cpu), (x, w)),
+        (lambda x, w1, b1, w2, b2: fastattn.ffn(x, w1, b1, w2, b2, "gelu", **cpu), (x, w1, b1, w2, b2)),
+        (lambda s, mask: fastattn.scaled_masked_softmax(s, mask, 0.5, True, **cpu), (s, mask)),
+        (lambda q: fastattn.rope(q, **cpu), (q,)),
+    ]
+
+
+def _graph_nodes(t):
+    """The names of the autograd nodes behind ``t``."""
+    seen, todo = [], [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in seen:
+            seen.append(type(node).__name__)
+            todo += [n for n, _ in node.next_functions]
+    return seen
+
+
+@pytest.mark.skipif(not _extension.loaded(), reason=str(_extension.error()))
+@pytest.mark.parametrize("case", range(5))
+def test_the_eager_fast_path_applies_the_registered_formula(case, monkeypatch):
+    """In plain eager mode a registered op with a gradient to compute runs through
+    _library._EagerAutograd (torch.library's autograd layer costs ~25 us a call); elsewhere
+    (torch.compile, functorch transforms) torch.library's own autograd runs. Same formula, same
+    kernels: same bits."""
+    fn, inputs = _eager_fast_path_calls()[case]
+
+    def grads(fast):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        nodes = _graph_nodes(outs[0])
+        assert any("_EagerAutograd" in n for n in nodes) == fast, nodes
+        cots = [torch.full_like(o, 0.5) + torch.arange(o.numel(), dtype=o.dtype).view(o.shape) / 7
+                for o in outs]
+        return outs, torch.autograd.grad(outs, leaves, cots)
+
+    fast = grads(True)
+    with monkeypatch.context() as m:
+        m.setattr(_library, "plain_eager", lambda: False)
+        library = grads(False)
+    for a, b in zip([*fast[0], *fast[1]], [*library[0], *library[1]]):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # nothing to differentiate: no graph at all
+        out = fn(*inputs)
+    assert all(o.grad_fn is None for o in (out if isinstance(out, tuple) else (out,)))

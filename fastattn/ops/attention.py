@@ -413,7 +413,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed, fwd, bwd, jvp, name):
-        # fwd is the registered backend function (skip_autograd: under this Function, grad mode
+        # fwd is the registered backend function (eager_autograd: under this Function, grad mode
         # is off, so in plain eager mode it calls the op below its Python autograd layer)
         return fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
 
