@@ -95,6 +95,8 @@ def _run_bench(args) -> int:
         compile=args.compile, tiny=args.tiny,
     )
     busy = _busy(device)
+    if device.type == "cpu":
+        bench.steady_cpu_allocator()
     if args.threads:
         torch.set_num_threads(args.threads)
     elif busy:

@@ -3,6 +3,9 @@
 import importlib.util
 import json
 import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +39,8 @@ def test_cli_writes_json_with_environment_and_ratios(tiny_run):
     assert ENV_KEYS <= set(env), ENV_KEYS - set(env)
     assert env["device_type"] == "cpu" and env["torch"] == torch.__version__
     assert env["command"].startswith("fastattn bench --tiny")
+    if platform.libc_ver()[0] == "glibc":
+        assert env["cpu_malloc"].startswith("glibc, mmap above"), env["cpu_malloc"]
     rows = data["results"]
     assert {r["op"] for r in rows} == set(SUITES)
     for op in SUITES:
@@ -244,3 +249,30 @@ def test_cpu_providers_are_timed_in_interleaved_rounds():
     case = bench.Case("softmax", "4x8", torch.float32, "fwd", make, bytes=2 * 4 * 8 * 4)
     rows = bench.run_case(case, {"p": tracked("p"), "q": tracked("q")}, "cpu", budget_s=0.0)
     assert "".join(calls[:6]) == "pqpqpq" and all(r.ms for r in rows)
+
+
+_FAULTS = """
+import resource, torch
+from fastattn import bench
+print(bench.steady_cpu_allocator())
+def rounds(k):
+    for _ in range(k):  # tensors of 4, 8 and 12 MiB, freed out of order
+        a = torch.ones(2**20); b = torch.ones(2**21); del a; c = torch.ones(3 * 2**20); del b, c
+rounds(1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+rounds(10)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_cpu_timings_do_not_pay_page_faults_of_reallocated_tensors():
+    """bench.steady_cpu_allocator: a process that frees and reallocates large tensors (what every
+    timed CPU call does) reuses its heap instead of faulting fresh pages in (with glibc's
+    defaults this loop faults ~1000 pages a round: measured)."""
+    out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120, env={**os.environ, "FASTATTN_NO_EXTENSION": "1"})
+    assert out.returncode == 0, out.stderr
+    policy, faults = out.stdout.split("\n")[:2]
+    assert policy.startswith("glibc, mmap above")
+    assert float(faults) < 50
