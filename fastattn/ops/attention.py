@@ -151,8 +151,14 @@ def _naive(q, k, v, mask, scale, offset, left, right, dropout_p, seed, row0=0):
         out = p @ v
     else:
         out = _pairwise(p.unsqueeze(-1), v.unsqueeze(-3), sel).sum(-2)
-    # lse is differentiable (both modes); dead rows: -inf with tangent and gradient 0.
-    lse = torch.logsumexp(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead.squeeze(-1), float("-inf"))
+    # lse is differentiable (both modes); dead rows: -inf with tangent and gradient 0. Written
+    # out (max + log sum exp(s - max), the max held constant) rather than torch.logsumexp, which
+    # returns +inf for a row with a +inf score where IEEE arithmetic (the reference, the kernels)
+    # gives NaN.
+    live = s.masked_fill(dead, 0.0)
+    top = live.amax(-1, keepdim=True).detach()
+    lse = (top + torch.log(torch.exp(live - top).sum(-1, keepdim=True))).squeeze(-1)
+    lse = lse.masked_fill(dead.squeeze(-1), float("-inf"))
     return out.to(dtype), lse.to(torch.float32)
 
 
