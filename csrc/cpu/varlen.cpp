@@ -25,12 +25,14 @@
 //   fewer run one after another, each parallel over heads and query blocks inside.
 // * paged forward (decoding: few queries, many keys) splits the key axis as flash-decoding does:
 //   one task per (sequence, kv head, key split) covers the Lq rows of every query head of the GQA
-//   group (so each cached key is gathered once per split), keeping per-row partial (max, sum, O);
+//   group (so each cached key row is read from memory once per split), keys as rows (scores by
+//   W-lane dot products folded into W scores at once), keeping per-row partial (max, sum, O);
 //   a second pass per (sequence, query head, row) merges the splits. The number of splits is
 //   chosen so that the tasks outnumber the threads about 4 to 1.
 //
 // Precision: as the dense kernel for varlen; paged: accumulation in float32 (float64 for float64
-// inputs), the cache read through its dtype and converted per element (never as a whole).
+// inputs), the cache read in place (float32 / float64 rows of whole vectors) or converted a key
+// row at a time (never as a whole).
 // Limits: none beyond memory; index arithmetic is int64. Every index is checked before use:
 // cu_seqlens must be within bounds and non-decreasing, block_table entries of used slots within
 // [0, num_blocks), cache_seqlens within the blocks a row owns (the Python layer gives friendlier
@@ -270,72 +272,62 @@ struct PagedArgs {
   A *pm, *pl, *po;  // partials per (b, kv head, split, row): max, sum, unnormalized O (Dv)
 };
 
-// S[r * ld + jj + c] = q_r . k_(jj + c) for R rows of q (D apart) and the N key vectors from jj
-// (c < N * W) of the transposed key tile kt (D x ld): R * N independent FMA chains, each key
-// vector loaded once for the R rows.
-template <class V, int R, int N>
-FASTATTN_INLINE void paged_score_block(const typename V::value_type* q, int64_t D,
-                                       const typename V::value_type* kt, int64_t ld, int64_t jj,
-                                       typename V::value_type* S) {
-  using A = typename V::value_type;
-  constexpr int64_t W = V::size;
-  V s[R][N];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < N; ++c) s[r][c] = V(A(0));
-  for (int64_t d = 0; d < D; ++d) {
-    V k[N];
-    for (int c = 0; c < N; ++c) k[c] = V::load(kt + d * ld + jj + c * W);
-    for (int r = 0; r < R; ++r) {
-      const V qd(q[r * D + d]);
-      for (int c = 0; c < N; ++c) s[r][c] = fma(qd, k[c], s[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < N; ++c) s[r][c].store(S + r * ld + jj + c * W);
-}
-
-// The scores of R rows against keys jj < nv (whole vectors): two key vectors at a time (2R
-// chains: one chain per row and vector waits on the FMA latency, measured ~4x slower), then the
-// one vector left, if any.
-template <class V, int R>
-FASTATTN_INLINE void paged_scores(const typename V::value_type* q, int64_t D,
-                                  const typename V::value_type* kt, int64_t ld, int64_t nv,
+// S[jj] = q . k_jj for one row q (zero-padded to Dp, a multiple of W) and the keys jj < nv (a
+// multiple of W), each key a row of Dp values at krow[jj]. W keys at a time: W dot products as
+// W-lane partial sums (W independent FMA chains), folded into one vector of W scores by
+// cpu::sum_each. (Keys as rows, as the cache holds them: transposing each 64-key tile into
+// D x 64 instead took about two thirds of a decode step, measured at B8 L4096 D64.)
+template <class V>
+FASTATTN_INLINE void paged_scores(const typename V::value_type* q, int64_t Dp,
+                                  const typename V::value_type* const* krow, int64_t nv,
                                   typename V::value_type* S) {
-  constexpr int64_t W = V::size;
-  int64_t jj = 0;
-  for (; jj + 2 * W <= nv; jj += 2 * W) paged_score_block<V, R, 2>(q, D, kt, ld, jj, S);
-  if (jj < nv) paged_score_block<V, R, 1>(q, D, kt, ld, jj, S);
+  using A = typename V::value_type;
+  constexpr int W = V::size;
+  for (int64_t jj = 0; jj < nv; jj += W) {
+    V acc[W];
+    for (int c = 0; c < W; ++c) acc[c] = V(A(0));
+    for (int64_t d = 0; d < Dp; d += W) {
+      const V qd = V::load(q + d);
+      for (int c = 0; c < W; ++c) acc[c] = fma(qd, V::load(krow[jj + c] + d), acc[c]);
+    }
+    cpu::sum_each(acc).store(S + jj);
+  }
 }
 
-// o[0, U * W) = alpha * o + sum_{lo <= jj <= hi} p[jj] * v[jj * ld + (0, U * W)]: U slices of the
+// o[0, U * W) = alpha * o + sum_{lo <= jj <= hi} p[jj] * vrow[jj][0, U * W): U slices of the
 // output row in registers across the keys, U independent FMA chains.
 template <class V, int U>
 FASTATTN_INLINE void paged_pv(typename V::value_type* o, typename V::value_type alpha,
                               const typename V::value_type* p, int64_t lo, int64_t hi,
-                              const typename V::value_type* v, int64_t ld) {
+                              const typename V::value_type* const* vrow, int64_t d) {
   constexpr int64_t W = V::size;
   V acc[U];
   for (int c = 0; c < U; ++c) acc[c] = V::load(o + c * W) * V(alpha);
   for (int64_t jj = lo; jj <= hi; ++jj) {
     const V pj(p[jj]);
-    for (int c = 0; c < U; ++c) acc[c] = fma(pj, V::load(v + jj * ld + c * W), acc[c]);
+    for (int c = 0; c < U; ++c) acc[c] = fma(pj, V::load(vrow[jj] + d + c * W), acc[c]);
   }
   for (int c = 0; c < U; ++c) acc[c].store(o + c * W);
 }
 
 // One (b, kv head, key split) task: the group's rows (query head g * group + r / Lq, query
-// r % Lq) over the split's keys, gathered kPagedTile at a time: K transposed (D x TK, so a row's
-// scores for W keys are D FMAs with no horizontal sum) and V as rows zero-padded to Dvp (a
-// multiple of the vector width W). Scores of keys outside a row's band or past the tile are
-// masked after the fact; the O update keeps each W-wide slice of O in a register across keys.
+// r % Lq) over the split's keys, kPagedTile at a time: a row pointer per key and value. float32
+// / float64 rows whose length is a multiple of the vector width W are read in the cache itself;
+// others are converted (16-bit) and zero-padded to Dp / Dvp in a per-task buffer. Scores of keys
+// outside a row's band or past the tile are masked after the fact; the O update keeps each
+// W-wide slice of O in a register across keys.
 template <class V, class T>
 FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& next) {
   using A = typename V::value_type;
   constexpr int W = V::size;
   const A ninf = -std::numeric_limits<A>::infinity();
-  const int64_t Dvp = cpu::round_up(p.Dv, W), TK = kPagedTile;
+  const int64_t Dp = cpu::round_up(p.D, W), Dvp = cpu::round_up(p.Dv, W), TK = kPagedTile;
   static_assert(kPagedTile % 16 == 0, "whole vectors of keys");
-  std::vector<A> qbuf(p.rows * p.D), kt(p.D * TK, A(0)), vbuf(TK * Dvp, A(0));
+  constexpr bool kAcc = std::is_same_v<T, A>;
+  const bool k_in_place = kAcc && p.D == Dp, v_in_place = kAcc && p.Dv == Dvp;
+  std::vector<A> qbuf(p.rows * Dp, A(0)), kbuf(k_in_place ? 0 : TK * Dp, A(0));
+  std::vector<A> vbuf(v_in_place ? 0 : TK * Dvp, A(0));
+  std::vector<const A*> krow(TK), vrow(TK);
   std::vector<A> acc(p.rows * Dvp), m(p.rows), l(p.rows), scores(p.rows * TK);
   const int64_t ntasks = p.B * p.Hkv * p.splits;
   for (int64_t t = next++; t < ntasks; t = next++) {
@@ -344,7 +336,7 @@ FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& n
     for (int64_t r = 0; r < p.rows; ++r) {
       const int64_t h = g * p.group + r / p.Lq, i = r % p.Lq;
       const T* qi = p.Q + b * p.sq_b + h * p.sq_h + i * p.sq_m;
-      for (int64_t d = 0; d < p.D; ++d) qbuf[r * p.D + d] = cpu::to_acc<A>(qi[d]) * p.scale;
+      for (int64_t d = 0; d < p.D; ++d) qbuf[r * Dp + d] = cpu::to_acc<A>(qi[d]) * p.scale;
     }
     std::fill(acc.begin(), acc.end(), A(0));
     std::fill(m.begin(), m.end(), ninf);
@@ -355,16 +347,23 @@ FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& n
         const int64_t j = j0 + jj, blk = p.table[b * p.max_blocks + j / p.block_size];
         const T* kj = p.K + blk * p.sk_blk + (j % p.block_size) * p.sk_slot + g * p.sk_h;
         const T* vj = p.V + blk * p.sv_blk + (j % p.block_size) * p.sv_slot + g * p.sv_h;
-        for (int64_t d = 0; d < p.D; ++d) kt[d * TK + jj] = cpu::to_acc<A>(kj[d]);
-        cpu::convert_to_acc(vj, vbuf.data() + jj * Dvp, p.Dv);
+        if constexpr (kAcc) {
+          if (k_in_place) krow[jj] = kj;
+          if (v_in_place) vrow[jj] = vj;
+        }
+        if (!k_in_place) {
+          cpu::convert_to_acc(kj, kbuf.data() + jj * Dp, p.D);
+          krow[jj] = kbuf.data() + jj * Dp;
+        }
+        if (!v_in_place) {
+          cpu::convert_to_acc(vj, vbuf.data() + jj * Dvp, p.Dv);
+          vrow[jj] = vbuf.data() + jj * Dvp;
+        }
       }
       const int64_t nv = cpu::round_up(n, W);  // whole vectors; keys past n are masked below
-      int64_t r4 = 0;
-      for (; r4 + 4 <= p.rows; r4 += 4) {
-        paged_scores<V, 4>(qbuf.data() + r4 * p.D, p.D, kt.data(), TK, nv, scores.data() + r4 * TK);
-      }
-      for (; r4 < p.rows; ++r4) {
-        paged_scores<V, 1>(qbuf.data() + r4 * p.D, p.D, kt.data(), TK, nv, scores.data() + r4 * TK);
+      for (int64_t jj = n; jj < nv; ++jj) krow[jj] = krow[0];
+      for (int64_t r = 0; r < p.rows; ++r) {
+        paged_scores<V>(qbuf.data() + r * Dp, Dp, krow.data(), nv, scores.data() + r * TK);
       }
       for (int64_t r = 0; r < p.rows; ++r) {
         const RowBand band = row_band(r % p.Lq, p.Lq, lk, p.bottom_right, p.left, p.right);
@@ -385,9 +384,9 @@ FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& n
         for (int64_t jj = lo; jj <= hi; ++jj) sum += sc[jj];
         A* o = acc.data() + r * Dvp;
         int64_t d = 0;
-        for (; d + 8 * W <= Dvp; d += 8 * W) paged_pv<V, 8>(o + d, alpha, sc, lo, hi, vbuf.data() + d, Dvp);
-        for (; d + 4 * W <= Dvp; d += 4 * W) paged_pv<V, 4>(o + d, alpha, sc, lo, hi, vbuf.data() + d, Dvp);
-        for (; d < Dvp; d += W) paged_pv<V, 1>(o + d, alpha, sc, lo, hi, vbuf.data() + d, Dvp);
+        for (; d + 8 * W <= Dvp; d += 8 * W) paged_pv<V, 8>(o + d, alpha, sc, lo, hi, vrow.data(), d);
+        for (; d + 4 * W <= Dvp; d += 4 * W) paged_pv<V, 4>(o + d, alpha, sc, lo, hi, vrow.data(), d);
+        for (; d < Dvp; d += W) paged_pv<V, 1>(o + d, alpha, sc, lo, hi, vrow.data(), d);
         l[r] = l[r] * alpha + sum;
         m[r] = m_new;
       }

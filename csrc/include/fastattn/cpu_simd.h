@@ -291,6 +291,52 @@ FASTATTN_INLINE float sexp(float x) {
 }
 FASTATTN_INLINE double sexp(double x) { return std::exp(x); }
 
+// sum_each(x): lane c of the result is the sum of the lanes of x[c], for the W vectors x[0, W)
+// (clobbered): W horizontal sums, transposed into one vector, in W - 1 steps of two shuffles and
+// an add, where a transpose through memory takes W^2 scalar moves. A step at S: each vector holds
+// W / S partial sums of S lanes; two of them become one holding 2W / S sums of S / 2 lanes (their
+// first half-blocks plus their second half-blocks), in key order.
+namespace detail {
+constexpr int fold_lane(int W, int S, bool second, int o) {
+  const int half = S / 2, m = W / S, key = o / half;
+  return (key < m ? 0 : W) + (key % m) * S + o % half + (second ? half : 0);
+}
+#if FASTATTN_VECTOR_EXTENSIONS
+template <int W, int S, bool kSecond, class Raw, size_t... O>
+FASTATTN_INLINE Raw fold_half(Raw a, Raw b, std::index_sequence<O...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, fold_lane(W, S, kSecond, O)...);
+#else
+  using I = std::conditional_t<sizeof(a[0]) == 4, int32_t, int64_t>;
+  typedef I Mask __attribute__((vector_size(sizeof(Raw))));
+  return __builtin_shuffle(a, b, Mask{fold_lane(W, S, kSecond, O)...});
+#endif
+}
+
+template <int S, class A, int W>
+FASTATTN_INLINE void fold_level(Vec<A, W>* x) {
+  constexpr auto lanes = std::make_index_sequence<W>{};
+  for (int i = 0; i < S / 2; ++i) {
+    x[i] = Vec<A, W>(fold_half<W, S, false>(x[2 * i].v, x[2 * i + 1].v, lanes) +
+                     fold_half<W, S, true>(x[2 * i].v, x[2 * i + 1].v, lanes));
+  }
+  if constexpr (S > 2) fold_level<S / 2>(x);
+}
+#endif
+}  // namespace detail
+
+template <class A, int W>
+FASTATTN_INLINE Vec<A, W> sum_each(Vec<A, W>* x) {
+#if FASTATTN_VECTOR_EXTENSIONS
+  detail::fold_level<W>(x);
+  return x[0];
+#else
+  Vec<A, W> r;
+  for (int c = 0; c < W; ++c) r.v[c] = x[c].sum();
+  return r;
+#endif
+}
+
 // True iff x is -0.0 (the marker of a masked-out probability in the attention kernels; a NaN,
 // whatever its sign bit, is not).
 template <class A>
