@@ -108,7 +108,7 @@ class Backend:
             problem = f"it does not take {dtype}"
         if problem is None and cap.limits is not None:
             problem = cap.limits(**facts)
-        return problem or self.lacks(op, needs)
+        return problem or (self.lacks(op, needs) if needs else None)
 
 
 def interpreting() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import operator
 from typing import Callable
 
 import torch
@@ -600,7 +601,7 @@ def model_suite(device: torch.device, dtype: torch.dtype, modes, quick: bool, op
             module, bound = aux.modules.get(name, (None, ()))
             if module is None:
                 module = GPT(aux.config, backend=backend, device="meta").eval()
-            if len(bound) != len(params) or any(a is not b for a, b in zip(bound, params)):
+            if len(bound) != len(params) or not all(map(operator.is_, bound, params)):
                 held = dict(module.named_parameters())  # one name per tensor (tied weights once)
                 new = {id(held[n]): t for n, t in zip(aux.names, params)}
                 for full, old in list(module.named_parameters(remove_duplicate=False)):

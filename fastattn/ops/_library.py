@@ -128,6 +128,14 @@ def eager_autograd(fwd: Callable, setup_context: Callable | None = None,
     return call
 
 
+def no_autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether, in plain eager mode, nothing of ``tensors`` asks for a gradient or a tangent: a
+    registered forward called with them then runs below autograd (:func:`eager_autograd`), and a
+    public function needs no autograd.Function around it."""
+    return (_ANY_REQUIRES_GRAD is not None and plain_eager()
+            and not (torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*tensors)))
+
+
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 

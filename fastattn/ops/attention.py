@@ -29,7 +29,8 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, triton_kernels,
+    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, no_autograd,
+    triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -510,12 +511,13 @@ def _validate(q, k, v, mask, dropout_p, enable_gqa, causal, window):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, length, dim), got shape {list(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: {list(_DTYPES)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"query has dtype {q.dtype}; supported: {list(_DTYPES)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    device = q.device
+    if k.device != device or v.device != device:
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
     B, H, _, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"batch sizes differ: query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}")
@@ -540,7 +542,7 @@ def _validate(q, k, v, mask, dropout_p, enable_gqa, causal, window):
             raise TypeError(f"attn_mask must be a Tensor, got {type(mask).__name__}")
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise TypeError(f"attn_mask must be bool or floating, got {mask.dtype}")
-        if mask.device != q.device:
+        if mask.device != device:
             raise ValueError(f"attn_mask is on {mask.device} but query is on {q.device}")
         try:
             if mask.dim() > 4 or torch.broadcast_shapes(mask.shape, target) != target:
@@ -606,8 +608,9 @@ def attention(
                                  lq=query.shape[2], lk=key.shape[2])
     args = (scale, offset, left, right, float(dropout_p), int(seed or 0))
     compiled = _COMPILED.get(name)
-    if compiled is None or compiled[0] is not impl or torch.compiler.is_compiling():
-        out, lse = impl(query, key, value, mask, *args)
+    if (compiled is None or compiled[0] is not impl or torch.compiler.is_compiling()
+            or no_autograd(query, key, value, mask)):
+        out, lse = impl(query, key, value, mask, *args)  # (no_autograd: it runs below autograd)
     else:
         out, lse = _Attention.apply(query, key, value, mask, *args, *compiled, name)
     return (out, lse) if return_lse else out

@@ -111,14 +111,17 @@ def _check(x, w1, b1, w2, b2, activation) -> None:
     the registered Triton ops."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose from {list(ACTIVATIONS)}")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+    dtype, device = x.dtype, x.device
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
         if t is None and name in ("b1", "b2"):
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES or t.dtype != x.dtype:
+        if t.dtype != dtype or dtype not in _DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; all tensors must share one of {list(_DTYPES)}")
-        if t.device != x.device:
+        if t is not x and t.device != device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if x.dim() < 1 or w1.dim() != 2 or w2.dim() != 2:
         raise ValueError(f"expected x (..., D), w1 2-D, w2 2-D; got {list(x.shape)}, {list(w1.shape)}, {list(w2.shape)}")

@@ -159,23 +159,24 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
         raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(_DTYPES)}")
-    if isinstance(normalized_shape, numbers.Integral):
+    if type(normalized_shape) is int or isinstance(normalized_shape, numbers.Integral):
         normalized_shape = (int(normalized_shape),)
-    shape = tuple(int(s) for s in normalized_shape)
+    shape = tuple(map(int, normalized_shape))
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
         raise ValueError(
             f"normalized_shape {list(shape)} must be a non-empty suffix of {name}'s shape "
             f"{list(x.shape)}"
         )
+    device = x.device
     for arg, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{arg} must be a Tensor or None, got {type(t).__name__}")
         want = x.shape if arg == "residual" else shape
-        if tuple(t.shape) != tuple(want):
+        if t.shape != want:
             raise ValueError(f"{arg} has shape {list(t.shape)}, expected {list(want)}")
-        if t.device != x.device:
+        if t.device != device:
             raise ValueError(f"{arg} is on {t.device} but {name} is on {x.device}")
         if not t.is_floating_point():
             raise TypeError(f"{arg} has dtype {t.dtype}; it must be a floating dtype")
@@ -183,7 +184,7 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
         raise TypeError(f"residual has dtype {residual.dtype}, {name} {x.dtype}: they must match")
     if rms and bias is not None:
         raise ValueError("bias must be None with rms=True (RMSNorm has no bias)")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     return shape
 
