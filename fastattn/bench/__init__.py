@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -141,15 +142,19 @@ def time_fn(
 
 
 def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> list:
-    """CPU timing of several calls side by side: rounds that run each call once, in turn, so
-    that whatever the machine does meanwhile (another process, a thread pool still spinning
-    after the previous case, the caches the previous provider left) falls on every call alike,
-    not on whichever was timed first. Each call stays in the rounds until its own samples add
-    up to ``budget_s`` with at least 5 of them (3 once they add up to 3x the budget), or 200.
-    Returns (median, 20th, 80th percentile) milliseconds per call, or the exception a call
-    raised (it leaves the rounds)."""
+    """CPU timing of several calls side by side: rounds that run each call once, so that
+    whatever the machine does meanwhile (another process, a thread pool still spinning after the
+    previous case) falls on every call alike, not on whichever was timed first. The order is
+    shuffled every round (seeded: the same for every run): a call runs slower right after a
+    different one, whose code and data took the caches (measured: of two copies of one FFN
+    provider in fixed order, the one after the other provider took 2-3.5% longer every time), so
+    with a fixed order each call would pay for its own predecessor. Each call stays in the
+    rounds until its own samples add up to ``budget_s`` with at least 5 of them (3 once they add
+    up to 3x the budget), or 200. Returns (median, 20th, 80th percentile) milliseconds per call,
+    or the exception a call raised (it leaves the rounds)."""
     times: list[list[float]] = [[] for _ in calls]
     results: list = [None] * len(calls)
+    shuffle = random.Random(0).shuffle
 
     def done(ts):
         spent = sum(ts) / 1e3
@@ -158,6 +163,7 @@ def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> l
 
     active = list(range(len(calls)))
     while active:
+        shuffle(active)
         for i in list(active):
             start = time.perf_counter()
             try:
