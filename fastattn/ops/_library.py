@@ -112,13 +112,14 @@ def eager_autograd(fwd: Callable, setup_context: Callable | None = None,
     registered, with torch.library's autograd."""
     if _ANY_REQUIRES_GRAD is None:
         return fwd
-    formula = _Formula(fwd, setup_context, backward) if backward is not None else None
+    raw = getattr(fwd, "_op", fwd)  # an OpOverload's C++ callable (its __call__ only calls it)
+    formula = _Formula(raw, setup_context, backward) if backward is not None else None
 
     def call(*args):
         if plain_eager():
             if not (torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*args)):
                 with torch._C._AutoDispatchBelowAutograd():
-                    return fwd(*args)
+                    return raw(*args)
             if formula is not None:  # (plain eager: torch's Python apply would only forward)
                 return _C_APPLY(*args, formula)
         return fwd(*args)

@@ -173,8 +173,8 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{arg} must be a Tensor or None, got {type(t).__name__}")
-        want = x.shape if arg == "residual" else shape
-        if t.shape != want:
+        want = tuple(x.shape) if arg == "residual" else shape
+        if tuple(t.shape) != want:  # (tuples: torch.Size's != goes through SymInt-aware Python)
             raise ValueError(f"{arg} has shape {list(t.shape)}, expected {list(want)}")
         if t.device != device:
             raise ValueError(f"{arg} is on {t.device} but {name} is on {x.device}")
