@@ -496,8 +496,10 @@ _DEFINED = define_op(
     },
     each_op=_fold_vmap_rule,
 )
-# name -> (fwd, bwd, jvp) of the compiled backends; the fused kernels run through _Attention.
-_COMPILED: dict[str, tuple] = {name: (_DEFINED.registered[name], c.bwd, c.jvp)
+# name -> (fwd, bwd, jvp, op) of the compiled backends: the registered function, the ops of
+# _Attention's derivatives, and the forward op's own callable (called directly when nothing is
+# differentiated: fewer Python steps, each costly in a model where every call runs cold).
+_COMPILED: dict[str, tuple] = {name: (_DEFINED.registered[name], c.bwd, c.jvp, getattr(c.fwd, "_op", c.fwd))
                                for name, c in _DEFINED.compiled.items()}
 
 
@@ -601,18 +603,22 @@ def attention(
     offset, left, right = band(query.shape[2], key.shape[2], causal, window)
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
-    query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
+    query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     needs = forward_ad_needs(query, key, value, mask)
     name, impl = backends.select("attention", query.device, backend, query.dtype, needs=needs,
                                  head_dim=query.shape[-1], head_dim_v=value.shape[-1],
                                  lq=query.shape[2], lk=key.shape[2])
     args = (scale, offset, left, right, float(dropout_p), int(seed or 0))
     compiled = _COMPILED.get(name)
-    if (compiled is None or compiled[0] is not impl or torch.compiler.is_compiling()
-            or no_autograd(query, key, value, mask)):
-        out, lse = impl(query, key, value, mask, *args)  # (no_autograd: it runs below autograd)
+    if compiled is None or compiled[0] is not impl:  # a backend registered by a user
+        out, lse = impl(query, key, value, mask, *args)
+    elif no_autograd(query, key, value, mask):  # plain eager with nothing to differentiate
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse = compiled[3](query, key, value, mask, *args)
+    elif torch.compiler.is_compiling():
+        out, lse = impl(query, key, value, mask, *args)
     else:
-        out, lse = _Attention.apply(query, key, value, mask, *args, *compiled, name)
+        out, lse = _Attention.apply(query, key, value, mask, *args, *compiled[:3], name)
     return (out, lse) if return_lse else out
 
 
