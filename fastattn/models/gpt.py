@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastattn.models.config import GPTConfig
-from fastattn.nn.ffn import FeedForward
+from fastattn.nn.ffn import FeedForward, active_dropout
 from fastattn.nn.norm import LayerNorm
 from fastattn.ops.attention import attention
 from fastattn.nn.rope import RotaryEmbedding
@@ -102,9 +102,11 @@ class CausalSelfAttention(torch.nn.Module):
     def forward(self, x: Tensor, cache: KVCache | PagedKVCache | None = None, layer: int = 0,
                 positions: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         B, T, C = x.shape
-        q, k, v = (t.unflatten(-1, (self.n_head, -1)).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
         if isinstance(cache, PagedKVCache):
-            return self.resid_dropout(self.c_proj(self._paged(q, k, v, cache, layer, positions, cu_seqlens).reshape(B, T, C)))
+            y = self._paged(q, k, v, cache, layer, positions, cu_seqlens).reshape(B, T, C)
+            return active_dropout(self.resid_dropout, self.c_proj(y))
         if self.rotary is not None:
             start = 0 if cache is None else cache.length
             q, k = self.rotary(q, offset=start), self.rotary(k, offset=start)
@@ -113,7 +115,7 @@ class CausalSelfAttention(torch.nn.Module):
         y = attention(
             q, k, v, causal="bottom_right", dropout_p=self.dropout if self.training else 0.0, backend=self.backend
         )
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+        return active_dropout(self.resid_dropout, self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
 
     def _paged(self, q, k, v, cache, layer, positions, cu_seqlens):
         """Attention on a paged cache, (B, T, H, D) out. Packed prefill (``cu_seqlens``; x is
@@ -221,7 +223,7 @@ class GPT(torch.nn.Module):
         x = self.transformer.wte(idx)
         if "wpe" in self.transformer:  # learned positions; rotary ones are applied in attention
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
-        x = self.transformer.drop(x)
+        x = active_dropout(self.transformer.drop, x)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
         if cache is not None:

@@ -159,7 +159,8 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
         raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(_DTYPES)}")
-    if type(normalized_shape) is int or isinstance(normalized_shape, numbers.Integral):
+    if type(normalized_shape) is not tuple and (type(normalized_shape) is int
+                                                or isinstance(normalized_shape, numbers.Integral)):
         normalized_shape = (int(normalized_shape),)
     shape = tuple(map(int, normalized_shape))
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
