@@ -158,10 +158,7 @@ FASTATTN_INLINE Vec<double, W> act_vec(Act act, Vec<double, W> h, Vec<double, W>
 template <class V, class T>
 FASTATTN_INLINE V load_part(const T* p, int64_t n) {
   using A = typename V::value_type;
-  if (n == V::size) {
-    if constexpr (std::is_same_v<T, A>) return V::load(p);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) return cpu::load_bf16<V::size>(p);
-  }
+  if (n == V::size) return cpu::load_as<V>(p);
   A tmp[V::size];
   for (int64_t i = 0; i < V::size; ++i) tmp[i] = i < n ? cpu::to_acc<A>(p[i]) : A(0);
   return V::load(tmp);
@@ -170,10 +167,7 @@ FASTATTN_INLINE V load_part(const T* p, int64_t n) {
 template <class V, class T>
 FASTATTN_INLINE void store_part(V v, T* p, int64_t n) {
   using A = typename V::value_type;
-  if (n == V::size) {
-    if constexpr (std::is_same_v<T, A>) return v.store(p);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) return cpu::store_bf16<V::size>(v, p);
-  }
+  if (n == V::size) return cpu::store_as(v, p);
   A tmp[V::size];
   v.store(tmp);
   for (int64_t i = 0; i < n; ++i) p[i] = cpu::from_acc<T>(tmp[i]);

@@ -55,61 +55,79 @@ struct FwdArgs {
   T* y;  // contiguous
 };
 
-// One row without a mask, in the accumulation type: y[0, n) = softmax(scale * x[0, n)) and
-// y[n, N) = 0, in three passes over the row (max of scale * x; exp written to y and summed; y
-// scaled by 1 / sum) with no buffer. The arithmetic of the buffered path below (which first
-// writes scale * x + mask, padded with -inf, then takes the same three passes) but for the order
-// in which a row's last n % W terms join the sum; one pass and a row of stores fewer (measured
-// at 4x8x256x128 float32, 2 threads: the op 15% faster, from 0.82-0.87x torch's softmax).
-template <class V>
-FASTATTN_INLINE void fused_row(const typename V::value_type* x, typename V::value_type* y,
-                               int64_t n, int64_t N, typename V::value_type scale) {
+// One row without a mask: y[0, n) = softmax(scale * x[0, n)) and y[n, N) = 0, in three passes
+// (the max of scale * x; exp, summed; scaled by 1 / sum). float32 / float64 go x -> y with no
+// buffer; 16-bit rows keep scale * x and then exp in the float buffer s and are rounded once, on
+// the last pass. The arithmetic of the buffered path below (which first writes scale * x +
+// mask, padded with -inf, then takes the same three passes) but for the order in which a row's
+// last n % W terms join the sum; one or two passes fewer (measured at 4x8x256x128 float32, 2
+// threads: the op 15% faster, from 0.82-0.87x torch's softmax).
+template <class V, class T>
+FASTATTN_INLINE void fused_row(const T* x, T* y, typename V::value_type* s, int64_t n, int64_t N,
+                               typename V::value_type scale) {
   using A = typename V::value_type;
   constexpr int64_t W = V::size;
+  constexpr bool kDirect = std::is_same_v<T, A>;
+  A* e = kDirect ? reinterpret_cast<A*>(y) : s;  // where exp(scale * x - max) goes
   const A neg_inf = -std::numeric_limits<A>::infinity();
   const V sv(scale);
   V m0(neg_inf), m1(neg_inf);
   int64_t c = 0;
   for (; c + 2 * W <= n; c += 2 * W) {
-    m0 = max(m0, V::load(x + c) * sv);
-    m1 = max(m1, V::load(x + c + W) * sv);
+    const V v0 = cpu::load_as<V>(x + c) * sv, v1 = cpu::load_as<V>(x + c + W) * sv;
+    if constexpr (!kDirect) {
+      v0.store(s + c);
+      v1.store(s + c + W);
+    }
+    m0 = max(m0, v0);
+    m1 = max(m1, v1);
   }
-  for (; c + W <= n; c += W) m0 = max(m0, V::load(x + c) * sv);
+  for (; c + W <= n; c += W) {
+    const V v0 = cpu::load_as<V>(x + c) * sv;
+    if constexpr (!kDirect) v0.store(s + c);
+    m0 = max(m0, v0);
+  }
   A mx = max(m0, m1).max_lane();
   for (; c < n; ++c) {
-    const A v = x[c] * scale;
+    const A v = cpu::to_acc<A>(x[c]) * scale;
+    if constexpr (!kDirect) s[c] = v;
     mx = mx > v ? mx : v;
   }
   if (mx == neg_inf || n == 0) {
-    std::fill(y, y + N, A(0));
+    std::fill(y, y + N, cpu::from_acc<T>(A(0)));
     return;
   }
+  // scale * x again from x (float) or from s (16-bit)
+  auto scaled = [&](int64_t i) {
+    if constexpr (kDirect) return V::load(x + i) * sv;
+    else return V::load(s + i);
+  };
   const V mv(mx);
   V a0(A(0)), a1(A(0));
   c = 0;
   for (; c + 2 * W <= n; c += 2 * W) {
-    const V e0 = cpu::vexp(V::load(x + c) * sv - mv), e1 = cpu::vexp(V::load(x + c + W) * sv - mv);
-    e0.store(y + c);
-    e1.store(y + c + W);
+    const V e0 = cpu::vexp(scaled(c) - mv), e1 = cpu::vexp(scaled(c + W) - mv);
+    e0.store(e + c);
+    e1.store(e + c + W);
     a0 = a0 + e0;
     a1 = a1 + e1;
   }
   for (; c + W <= n; c += W) {
-    const V e0 = cpu::vexp(V::load(x + c) * sv - mv);
-    e0.store(y + c);
+    const V e0 = cpu::vexp(scaled(c) - mv);
+    e0.store(e + c);
     a0 = a0 + e0;
   }
   A sum = (a0 + a1).sum();
   for (; c < n; ++c) {
-    y[c] = cpu::sexp(x[c] * scale - mx);
-    sum += y[c];
+    e[c] = cpu::sexp((kDirect ? cpu::to_acc<A>(x[c]) * scale : s[c]) - mx);
+    sum += e[c];
   }
   const A inv = A(1) / sum;
   const V iv(inv);
   c = 0;
-  for (; c + W <= n; c += W) (V::load(y + c) * iv).store(y + c);
-  for (; c < n; ++c) y[c] *= inv;
-  std::fill(y + n, y + N, A(0));
+  for (; c + W <= n; c += W) cpu::store_as(V::load(e + c) * iv, y + c);
+  for (; c < n; ++c) y[c] = cpu::from_acc<T>(e[c] * inv);
+  std::fill(y + n, y + N, cpu::from_acc<T>(A(0)));
 }
 
 template <class T, class V>
@@ -127,11 +145,9 @@ FASTATTN_INLINE void softmax_fwd_rows(const FwdArgs<T>& p, int64_t r0, int64_t r
     const int64_t np = cpu::round_up(n, W);
     const T* x = p.x + p.xr.offset(row);
     T* y = p.y + row * N;
-    if constexpr (std::is_same_v<T, A>) {
-      if (!p.mask.defined()) {  // no buffer: three passes, x -> y
-        fused_row<V>(x, y, n, N, p.scale);
-        continue;
-      }
+    if (!p.mask.defined()) {
+      fused_row<V>(x, y, s, n, N, static_cast<A>(p.scale));
+      continue;
     }
     // s = scale * x + mask, -inf padded
     int64_t c = 0;

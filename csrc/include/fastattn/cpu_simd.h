@@ -413,6 +413,36 @@ FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
 }
 #endif
 
+// W values of T at p as a vector of A = acc_t<T>, and back (rounded once): in place for
+// float / double, integer vector ops for bfloat16, per element for float16.
+template <class V, class T>
+FASTATTN_INLINE V load_as(const T* p) {
+  using A = typename V::value_type;
+  if constexpr (std::is_same_v<T, A>) {
+    return V::load(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
+    return load_bf16<V::size>(p);
+  } else {
+    A tmp[V::size];
+    for (int i = 0; i < V::size; ++i) tmp[i] = to_acc<A>(p[i]);
+    return V::load(tmp);
+  }
+}
+
+template <class V, class T>
+FASTATTN_INLINE void store_as(V v, T* p) {
+  using A = typename V::value_type;
+  if constexpr (std::is_same_v<T, A>) {
+    v.store(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
+    store_bf16<V::size>(v, p);
+  } else {
+    A tmp[V::size];
+    v.store(tmp);
+    for (int i = 0; i < V::size; ++i) p[i] = from_acc<T>(tmp[i]);
+  }
+}
+
 // dst[0, n) = src[0, n) converted to A.
 template <class A, class T>
 FASTATTN_INLINE void convert_to_acc(const T* src, A* dst, int64_t n) {
