@@ -7,12 +7,14 @@
 //
 // Work split: at::parallel_for over the rows of the flattened (L0, L1, Lq) index; x, dy and y are
 // read through their three leading strides (the last dimension is contiguous), the mask through
-// all four of its strides (broadcast dimensions have stride 0 and are never expanded). A row is
-// converted once into a per-thread float buffer (double for float64) padded to a multiple of the
-// vector width with -inf, then processed with cpu_simd.h vectors (AVX-512 / AVX2 / baseline
-// chosen at run time): a max pass, an exp-and-sum pass, and a normalize-and-store pass. Under
-// is_causal only the first i + 1 entries of row i are computed; the rest are written as 0.
-// Outputs are contiguous.
+// all four of its strides (broadcast dimensions have stride 0 and are never expanded). Rows are
+// processed with cpu_simd.h vectors (AVX-512 / AVX2 / baseline chosen at run time), 16-bit
+// values converted on the fly (cpu::load_as / store_as). Forward: a max pass, an exp-and-sum
+// pass and a normalize-and-store pass; a row with a mask first goes into a per-thread float
+// buffer (scale * x + mask, padded to a multiple of the vector width with -inf), one without
+// goes straight from x to y (16-bit: through the buffer, rounded once at the end). Backward: a
+// dot pass and an output pass, no buffer. Under is_causal only the first i + 1 entries of row i
+// are computed; the rest are written as 0. Outputs are contiguous.
 //
 // Precision: float32 arithmetic for float32 / float16 / bfloat16 (the result is rounded once),
 // float64 for float64. The mask may have any floating dtype (read in the accumulation type) or be
@@ -224,41 +226,28 @@ FASTATTN_INLINE void softmax_bwd_rows(const BwdArgs<T>& p, int64_t r0, int64_t r
   using A = acc_t<T>;
   constexpr int64_t W = V::size;
   const int64_t N = p.yr.N;
-  std::vector<A> ybuf(std::is_same_v<T, A> ? 0 : N), dybuf(std::is_same_v<T, A> ? 0 : N);
+  // Two passes over y and dy, read through their dtype (cpu::load_as: 16-bit rows converted on
+  // the fly, no buffer), dx rounded once.
   for (int64_t row = r0; row < r1; ++row) {
-    const T* yt = p.y + p.yr.offset(row);
-    const T* dyt = p.dy + p.dyr.offset(row);
-    const A* y;
-    const A* dy;
-    if constexpr (std::is_same_v<T, A>) {
-      y = yt;
-      dy = dyt;
-    } else {
-      cpu::convert_to_acc(yt, ybuf.data(), N);
-      cpu::convert_to_acc(dyt, dybuf.data(), N);
-      y = ybuf.data();
-      dy = dybuf.data();
-    }
+    const T* y = p.y + p.yr.offset(row);
+    const T* dy = p.dy + p.dyr.offset(row);
     V a0(A(0)), a1(A(0));
     int64_t c = 0;
     for (; c + 2 * W <= N; c += 2 * W) {
-      a0 = fma(V::load(y + c), V::load(dy + c), a0);
-      a1 = fma(V::load(y + c + W), V::load(dy + c + W), a1);
+      a0 = fma(cpu::load_as<V>(y + c), cpu::load_as<V>(dy + c), a0);
+      a1 = fma(cpu::load_as<V>(y + c + W), cpu::load_as<V>(dy + c + W), a1);
     }
-    for (; c + W <= N; c += W) a0 = fma(V::load(y + c), V::load(dy + c), a0);
+    for (; c + W <= N; c += W) a0 = fma(cpu::load_as<V>(y + c), cpu::load_as<V>(dy + c), a0);
     A dot = (a0 + a1).sum();
-    for (; c < N; ++c) dot += y[c] * dy[c];
+    for (; c < N; ++c) dot += cpu::to_acc<A>(y[c]) * cpu::to_acc<A>(dy[c]);
     const V dv(dot), sv(p.scale);
     T* dx = p.dx + row * N;
     c = 0;
-    if constexpr (std::is_same_v<T, A>) {
-      for (; c + W <= N; c += W) (sv * V::load(y + c) * (V::load(dy + c) - dv)).store(dx + c);
-      for (; c < N; ++c) dx[c] = p.scale * y[c] * (dy[c] - dot);
-    } else {
-      A* o = dybuf.data();  // dy is not needed any more: the row of dx in A, rounded once
-      for (; c + W <= N; c += W) (sv * V::load(y + c) * (V::load(dy + c) - dv)).store(o + c);
-      for (; c < N; ++c) o[c] = p.scale * y[c] * (dy[c] - dot);
-      cpu::convert_from_acc(o, dx, N);
+    for (; c + W <= N; c += W) {
+      cpu::store_as(sv * cpu::load_as<V>(y + c) * (cpu::load_as<V>(dy + c) - dv), dx + c);
+    }
+    for (; c < N; ++c) {
+      dx[c] = cpu::from_acc<T>(p.scale * cpu::to_acc<A>(y[c]) * (cpu::to_acc<A>(dy[c]) - dot));
     }
   }
 }
