@@ -116,12 +116,11 @@ def eager_autograd(fwd: Callable, setup_context: Callable | None = None,
     formula = _Formula(raw, setup_context, backward) if backward is not None else None
 
     def call(*args):
-        if plain_eager():
-            if not (torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*args)):
-                with torch._C._AutoDispatchBelowAutograd():
-                    return raw(*args)
-            if formula is not None:  # (plain eager: torch's Python apply would only forward)
-                return _C_APPLY(*args, formula)
+        if no_autograd(*args):
+            with torch._C._AutoDispatchBelowAutograd():
+                return raw(*args)
+        if formula is not None and plain_eager():  # (torch's Python apply would only forward)
+            return _C_APPLY(*args, formula)
         return fwd(*args)
 
     call.__name__ = getattr(fwd, "__name__", "fwd")
