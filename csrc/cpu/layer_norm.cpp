@@ -8,10 +8,11 @@
 //   RMSNorm:   dx = rstd * (g - xhat * E[g * xhat])           (+ dh)
 //   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy
 //
-// Work split: at::parallel_for over rows. A row is read in the accumulation type (float16 /
-// bfloat16 rows are converted into a per-task buffer; float32 / float64 rows are used in place)
-// and processed with plain `#pragma omp simd` loops (several independent partial sums per
-// reduction). The per-task row loops are compiled three times, for AVX-512, AVX2 and baseline
+// Work split: at::parallel_for over rows. The forward reads a row through its dtype in every
+// pass (16-bit values converted on the fly: a bfloat16 row of 8192 stays in L1, where a float
+// copy did not); the backward converts float16 / bfloat16 rows into per-task buffers (float32 /
+// float64 rows are used in place). Rows are processed with plain `#pragma omp simd` loops
+// (several independent partial sums per reduction). The per-task row loops are compiled three times, for AVX-512, AVX2 and baseline
 // x86-64, and picked at run time (fastattn/cpu_simd.h: FASTATTN_TARGET_*, cpu_isa(); it also says
 // why not at::vec::Vectorized). The statistics take two passes over the row (the mean, then the
 // squared deviations from it), both relative to the row's first value, so rows with a large
@@ -47,20 +48,21 @@ constexpr int64_t kLanes = 32;  // partial sums per row reduction: 2 AVX-512 / 4
 // ---------------------------------------------------------------------------------------------
 // Row helpers, always inlined into the per-ISA row loops below.
 
-// sum over i < n of v or v^2 (kSquares), v = (h[i] - c) - d.
-template <bool kSquares, typename A>
-FASTATTN_INLINE A row_moment(const A* __restrict h, int64_t n, A c, A d) {
+// sum over i < n of v or v^2 (kSquares), v = (h[i] - c) - d, h read through its type T (16-bit
+// values converted on the fly: the row stays half the size in L1).
+template <bool kSquares, typename A, typename T>
+FASTATTN_INLINE A row_moment(const T* __restrict h, int64_t n, A c, A d) {
   A acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
     for (int64_t k = 0; k < kLanes; ++k) {
-      const A v = (h[i + k] - c) - d;
+      const A v = (cpu::to_acc<A>(h[i + k]) - c) - d;
       acc[k] += kSquares ? v * v : v;
     }
   }
   for (int64_t k = 0; i + k < n; ++k) {
-    const A v = (h[i + k] - c) - d;
+    const A v = (cpu::to_acc<A>(h[i + k]) - c) - d;
     acc[k] += kSquares ? v * v : v;
   }
   for (int64_t width = kLanes / 2; width > 0; width /= 2) {
@@ -121,35 +123,36 @@ FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) 
   using A = acc_t<T>;
   const int64_t n = a.n;
   const A inv_n = A(1) / A(n);
-  std::vector<A> buf0(n), buf1(n);
   for (int64_t r = r0; r < r1; ++r) {
-    const A* h;
+    const T* __restrict h;  // the row, read through T by every pass
     if (a.residual != nullptr) {
       // h = x + residual in A, rounded to T and returned; the statistics use the rounded h.
-      const A* xa = read_row(a.x + r * a.x_stride, buf0.data(), n);
-      const A* ra = read_row(a.residual + r * a.r_stride, buf1.data(), n);
-      T* hr = a.h + r * n;
+      const T* __restrict xr = a.x + r * a.x_stride;
+      const T* __restrict rr = a.residual + r * a.r_stride;
+      T* __restrict hr = a.h + r * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) hr[i] = cpu::from_acc<T>(xa[i] + ra[i]);
-      h = read_row(static_cast<const T*>(hr), buf0.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        hr[i] = cpu::from_acc<T>(cpu::to_acc<A>(xr[i]) + cpu::to_acc<A>(rr[i]));
+      }
+      h = hr;
     } else {
-      h = read_row(a.x + r * a.x_stride, buf0.data(), n);
+      h = a.x + r * a.x_stride;
     }
     // LayerNorm statistics relative to c = h[0] (exact differences for nearby values):
     // delta = E[h - c], var = E[((h - c) - delta)^2], mean = c + delta.
-    const A c = a.rms ? A(0) : h[0];
+    const A c = a.rms ? A(0) : cpu::to_acc<A>(h[0]);
     const A delta = a.rms ? A(0) : row_moment<false>(h, n, c, A(0)) * inv_n;
     const A var = row_moment<true>(h, n, c, delta) * inv_n;
     const A rs = A(1) / std::sqrt(var + a.eps);
     if (!a.rms) a.mean[r] = static_cast<float>(c + delta);
     a.rstd[r] = static_cast<float>(rs);
-    T* yr = a.y + r * n;
-    A* out = out_row(yr, buf1.data());
+    T* __restrict yr = a.y + r * n;
     const A* __restrict w = a.w;
     const A* __restrict b = a.b;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = ((h[i] - c) - delta) * rs * w[i] + b[i];
-    write_row(out, yr, n);
+    for (int64_t i = 0; i < n; ++i) {
+      yr[i] = cpu::from_acc<T>(((cpu::to_acc<A>(h[i]) - c) - delta) * rs * w[i] + b[i]);
+    }
   }
 }
 
