@@ -12,9 +12,9 @@
 // pass (16-bit values converted on the fly: a bfloat16 row of 8192 stays in L1, where a float
 // copy did not); the backward converts float16 / bfloat16 rows into per-task buffers (float32 /
 // float64 rows are used in place). Rows are processed with plain `#pragma omp simd` loops
-// (several independent partial sums per reduction). The per-task row loops are compiled three times, for AVX-512, AVX2 and baseline
-// x86-64, and picked at run time (fastattn/cpu_simd.h: FASTATTN_TARGET_*, cpu_isa(); it also says
-// why not at::vec::Vectorized). The statistics take two passes over the row (the mean, then the
+// (several independent partial sums per reduction). The per-task row loops are compiled three
+// times, for AVX-512, AVX2 and baseline x86-64, and picked at run time (fastattn/cpu_simd.h:
+// FASTATTN_TARGET_*, cpu_isa(); it also says why not at::vec::Vectorized). The statistics take two passes over the row (the mean, then the
 // squared deviations from it), both relative to the row's first value, so rows with a large
 // offset (1e4 + noise) keep their precision.
 // dweight / dbias: the rows are cut into at most cpu::kMaxRowBlocks fixed blocks, each block sums

@@ -9,10 +9,10 @@
 // read through their three leading strides (the last dimension is contiguous), the mask through
 // all four of its strides (broadcast dimensions have stride 0 and are never expanded). Rows are
 // processed with cpu_simd.h vectors (AVX-512 / AVX2 / baseline chosen at run time), 16-bit
-// values converted on the fly (cpu::load_as / store_as). Forward: a max pass, an exp-and-sum
-// pass and a normalize-and-store pass; a row with a mask first goes into a per-thread float
-// buffer (scale * x + mask, padded to a multiple of the vector width with -inf), one without
-// goes straight from x to y (16-bit: through the buffer, rounded once at the end). Backward: a
+// values converted on the fly (cpu::load_as / store_as). Forward (softmax_row): a max pass, an
+// exp-and-sum pass and a normalize-and-store pass; a row with a mask first goes into a
+// per-thread float buffer (scale * x + mask), one without goes straight from x to y (16-bit:
+// through the buffer, rounded once at the end). Backward: a
 // dot pass and an output pass, no buffer. Under is_causal only the first i + 1 entries of row i
 // are computed; the rest are written as 0. Outputs are contiguous.
 //
@@ -57,19 +57,18 @@ struct FwdArgs {
   T* y;  // contiguous
 };
 
-// One row without a mask: y[0, n) = softmax(scale * x[0, n)) and y[n, N) = 0, in three passes
-// (the max of scale * x; exp, summed; scaled by 1 / sum). float32 / float64 go x -> y with no
-// buffer; 16-bit rows keep scale * x and then exp in the float buffer s and are rounded once, on
-// the last pass. The arithmetic of the buffered path below (which first writes scale * x +
-// mask, padded with -inf, then takes the same three passes) but for the order in which a row's
-// last n % W terms join the sum; one or two passes fewer (measured at 4x8x256x128 float32, 2
-// threads: the op 15% faster, from 0.82-0.87x torch's softmax).
-template <class V, class T>
-FASTATTN_INLINE void fused_row(const T* x, T* y, typename V::value_type* s, int64_t n, int64_t N,
-                               typename V::value_type scale) {
+// One row: y[0, n) = softmax(scale * x[0, n)) and y[n, N) = 0, in three passes (the max of
+// scale * x; exp, summed; scaled by 1 / sum). x of type X: the input row (T), or the float
+// buffer s itself (a row with a mask: scale * x + mask already there, scale 1). float32 / float64
+// go x -> y with no buffer; otherwise scale * x and then exp are kept in s and y is rounded once,
+// on the last pass. (Measured at 4x8x256x128 float32, 2 threads: without the copy into a padded
+// buffer the op 15% faster, from 0.82-0.87x torch's softmax.)
+template <class V, class X, class T>
+FASTATTN_INLINE void softmax_row(const X* x, T* y, typename V::value_type* s, int64_t n, int64_t N,
+                                 typename V::value_type scale) {
   using A = typename V::value_type;
   constexpr int64_t W = V::size;
-  constexpr bool kDirect = std::is_same_v<T, A>;
+  constexpr bool kDirect = std::is_same_v<X, A> && std::is_same_v<T, A>;
   A* e = kDirect ? reinterpret_cast<A*>(y) : s;  // where exp(scale * x - max) goes
   const A neg_inf = -std::numeric_limits<A>::infinity();
   const V sv(scale);
@@ -99,7 +98,7 @@ FASTATTN_INLINE void fused_row(const T* x, T* y, typename V::value_type* s, int6
     std::fill(y, y + N, cpu::from_acc<T>(A(0)));
     return;
   }
-  // scale * x again from x (float) or from s (16-bit)
+  // scale * x again: from x (direct) or from s
   auto scaled = [&](int64_t i) {
     if constexpr (kDirect) return V::load(x + i) * sv;
     else return V::load(s + i);
@@ -137,77 +136,25 @@ FASTATTN_INLINE void softmax_fwd_rows(const FwdArgs<T>& p, int64_t r0, int64_t r
   using A = acc_t<T>;
   constexpr int64_t W = V::size;
   const int64_t N = p.xr.N, L1 = p.xr.L1, Lq = p.xr.Lq;
-  const A neg_inf = -std::numeric_limits<A>::infinity();
-  std::vector<A> buf(cpu::round_up(std::max<int64_t>(N, 1), W));
+  std::vector<A> buf(std::max<int64_t>(N, 1));
   A* s = buf.data();
   const V sv(p.scale);
   for (int64_t row = r0; row < r1; ++row) {
     const int64_t i = row % Lq;
     const int64_t n = p.causal ? std::min<int64_t>(N, i + 1) : N;
-    const int64_t np = cpu::round_up(n, W);
     const T* x = p.x + p.xr.offset(row);
     T* y = p.y + row * N;
     if (!p.mask.defined()) {
-      fused_row<V>(x, y, s, n, N, static_cast<A>(p.scale));
+      softmax_row<V>(x, y, s, n, N, static_cast<A>(p.scale));
       continue;
     }
-    // s = scale * x + mask, -inf padded
+    // s = scale * x + mask, then the row's softmax from s
     int64_t c = 0;
-    if constexpr (std::is_same_v<T, A>) {
-      for (; c + W <= n; c += W) (V::load(x + c) * sv).store(s + c);
-      for (; c < n; ++c) s[c] = x[c] * p.scale;
-    } else {
-      cpu::convert_to_acc(x, s, n);
-      for (; c + W <= n; c += W) (V::load(s + c) * sv).store(s + c);
-      for (; c < n; ++c) s[c] *= p.scale;
-    }
-    std::fill(s + n, s + np, neg_inf);
-    if (p.mask.defined()) {
-      const int64_t ab = row / Lq;
-      cpu::apply_mask_row(s, n, p.mask, p.mask.offset(ab / L1, ab % L1, i, 0), p.mask.stride[3]);
-    }
-    // max
-    V m0(neg_inf), m1(neg_inf);
-    c = 0;
-    for (; c + 2 * W <= np; c += 2 * W) {
-      m0 = max(m0, V::load(s + c));
-      m1 = max(m1, V::load(s + c + W));
-    }
-    if (c < np) m0 = max(m0, V::load(s + c));
-    const A mx = max(m0, m1).max_lane();
-    if (mx == neg_inf || n == 0) {
-      std::fill(y, y + N, cpu::from_acc<T>(A(0)));
-      continue;
-    }
-    // exp and sum
-    const V mv(mx);
-    V a0(A(0)), a1(A(0));
-    c = 0;
-    for (; c + 2 * W <= np; c += 2 * W) {
-      const V e0 = cpu::vexp(V::load(s + c) - mv), e1 = cpu::vexp(V::load(s + c + W) - mv);
-      e0.store(s + c);
-      e1.store(s + c + W);
-      a0 = a0 + e0;
-      a1 = a1 + e1;
-    }
-    if (c < np) {
-      const V e0 = cpu::vexp(V::load(s + c) - mv);
-      e0.store(s + c);
-      a0 = a0 + e0;
-    }
-    const A inv = A(1) / (a0 + a1).sum();
-    // normalize and store
-    const V iv(inv);
-    c = 0;
-    if constexpr (std::is_same_v<T, A>) {
-      for (; c + W <= n; c += W) (V::load(s + c) * iv).store(y + c);
-      for (; c < n; ++c) y[c] = s[c] * inv;
-    } else {
-      for (; c + W <= n; c += W) (V::load(s + c) * iv).store(s + c);
-      for (; c < n; ++c) s[c] *= inv;
-      cpu::convert_from_acc(s, y, n);
-    }
-    std::fill(y + n, y + N, cpu::from_acc<T>(A(0)));
+    for (; c + W <= n; c += W) (cpu::load_as<V>(x + c) * sv).store(s + c);
+    for (; c < n; ++c) s[c] = cpu::to_acc<A>(x[c]) * static_cast<A>(p.scale);
+    const int64_t ab = row / Lq;
+    cpu::apply_mask_row(s, n, p.mask, p.mask.offset(ab / L1, ab % L1, i, 0), p.mask.stride[3]);
+    softmax_row<V>(static_cast<const A*>(s), y, s, n, N, A(1));
   }
 }
 
