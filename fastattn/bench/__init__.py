@@ -225,7 +225,7 @@ def one_blas_thread():
 
 #: glibc mallopt parameters (malloc.h) and the values :func:`steady_cpu_allocator` sets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_STEADY_MALLOC = {"mmap_threshold": 32 * 2**20, "trim_threshold": 2**30}
+_MMAP_ABOVE, _TRIM_ABOVE = 32 * 2**20, 2**30
 _CPU_MALLOC: str | None = None
 
 
@@ -249,10 +249,9 @@ def steady_cpu_allocator() -> str:
         except (OSError, AttributeError):
             _CPU_MALLOC = "default (no glibc mallopt)"
         else:
-            ok = (mallopt(_M_MMAP_THRESHOLD, _STEADY_MALLOC["mmap_threshold"])
-                  and mallopt(_M_TRIM_THRESHOLD, _STEADY_MALLOC["trim_threshold"]))
-            _CPU_MALLOC = ("glibc, mmap above 32 MiB, trim above 1 GiB" if ok
-                           else "default (mallopt refused)")
+            ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_ABOVE) and mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE)
+            _CPU_MALLOC = (f"glibc, mmap above {_MMAP_ABOVE >> 20} MiB, trim above {_TRIM_ABOVE >> 30} GiB"
+                           if ok else "default (mallopt refused)")
     return _CPU_MALLOC
 
 

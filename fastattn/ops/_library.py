@@ -112,7 +112,7 @@ def eager_autograd(fwd: Callable, setup_context: Callable | None = None,
     registered, with torch.library's autograd."""
     if _ANY_REQUIRES_GRAD is None:
         return fwd
-    raw = getattr(fwd, "_op", fwd)  # an OpOverload's C++ callable (its __call__ only calls it)
+    raw = op_callable(fwd)
     formula = _Formula(raw, setup_context, backward) if backward is not None else None
 
     def call(*args):
@@ -126,6 +126,12 @@ def eager_autograd(fwd: Callable, setup_context: Callable | None = None,
     call.__name__ = getattr(fwd, "__name__", "fwd")
     call.__doc__ = getattr(fwd, "__doc__", None)
     return call
+
+
+def op_callable(op: Callable) -> Callable:
+    """What calling ``op`` runs: an OpOverload's C++ callable (its Python ``__call__`` only
+    forwards to it; one frame less per call), anything else itself."""
+    return getattr(op, "_op", op)
 
 
 def no_autograd(*tensors: torch.Tensor | None) -> bool:

@@ -159,8 +159,8 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
         raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(_DTYPES)}")
-    if type(normalized_shape) is not tuple and (type(normalized_shape) is int
-                                                or isinstance(normalized_shape, numbers.Integral)):
+    # (isinstance against tuple first: the numbers ABCs are slow, and the modules pass tuples)
+    if not isinstance(normalized_shape, tuple) and isinstance(normalized_shape, numbers.Integral):
         normalized_shape = (int(normalized_shape),)
     shape = tuple(map(int, normalized_shape))
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
@@ -185,7 +185,8 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
         raise TypeError(f"residual has dtype {residual.dtype}, {name} {x.dtype}: they must match")
     if rms and bias is not None:
         raise ValueError("bias must be None with rms=True (RMSNorm has no bias)")
-    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or not eps >= 0:
+    real = type(eps) is float or (isinstance(eps, numbers.Real) and not isinstance(eps, bool))
+    if not real or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     return shape
 
