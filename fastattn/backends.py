@@ -98,17 +98,23 @@ class Backend:
         self, op: str, device: torch.device, dtype: torch.dtype | None, facts: dict, needs: tuple[str, ...] = ()
     ) -> str | None:
         """Why this backend cannot run ``op`` on these inputs, or None when it can."""
+        problem = self.refuses_kind(op, device, dtype)
+        cap = self.caps.get(op, _NO_CAPABILITY)
+        if problem is None and cap.limits is not None:
+            problem = cap.limits(**facts)
+        return problem or (self.lacks(op, needs) if needs else None)
+
+    def refuses_kind(self, op: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
+        """Why this backend cannot run ``op`` on any inputs on ``device`` of ``dtype``, or None."""
         cap = self.caps.get(op, _NO_CAPABILITY)
         problem = self.missing.get(op) or self.unavailable()
         if problem is None and op not in self.impls:
             problem = f"it has no implementation of {op}"
-        if problem is None and device.type not in (cap.devices or self.devices):
+        if problem is None and device_type(device) not in (cap.devices or self.devices):
             problem = f"it does not run on {device.type} tensors"
         if problem is None and dtype is not None and dtype not in (cap.dtypes or self.dtypes):
             problem = f"it does not take {dtype}"
-        if problem is None and cap.limits is not None:
-            problem = cap.limits(**facts)
-        return problem or (self.lacks(op, needs) if needs else None)
+        return problem
 
 
 def interpreting() -> bool:
@@ -154,6 +160,9 @@ _REGISTRY: dict[str, Backend] = {
 }
 
 _local = threading.local()
+# (backend asked for or None, op, device, dtype, needs) -> (name, backend, implementation,
+# limits) chosen by select; emptied whenever the registry changes.
+_CHOSEN: dict[tuple, tuple[str, Backend, Callable, Callable | None]] = {}
 _logged_fallbacks: set[tuple[str, str, str]] = set()
 
 
@@ -177,6 +186,7 @@ def register_backend(
     are the backend's own. :func:`select` refuses a call outside them before ``fn`` is called.
     ``features`` names the optional features ``fn`` supports (``"jvp"``: forward-mode AD).
     """
+    _CHOSEN.clear()
     if not callable(fn):
         raise TypeError(f"the implementation of {op!r} for backend {name!r} must be callable, got {type(fn).__name__}")
     why = contracts.mismatch(op, fn)
@@ -194,11 +204,13 @@ def register_backend(
 def register_feature(op: str, name: str, feature: str) -> None:
     """Declare that backend ``name``'s ``op`` supports ``feature`` (e.g. ``"jvp"``, forward-mode
     AD), which :func:`select` may be asked for."""
+    _CHOSEN.clear()
     _REGISTRY[name].features.setdefault(op, set()).add(feature)
 
 
 def note_missing_feature(op: str, name: str, feature: str, reason: str) -> None:
     """Record why backend ``name``'s ``op`` lacks ``feature``, for the error of :func:`select`."""
+    _CHOSEN.clear()
     _REGISTRY[name].missing_features[(op, feature)] = reason
 
 
@@ -210,6 +222,7 @@ def capability(op: str, name: str) -> Capability:
 def note_missing(op: str, name: str, reason: str) -> None:
     """Record why backend ``name`` does not implement ``op`` (e.g. "not implemented on cuda yet"),
     so that asking for it explicitly says so."""
+    _CHOSEN.clear()
     _REGISTRY[name].missing[op] = reason
 
 
@@ -250,14 +263,40 @@ def _check_name(name: str) -> Backend:
     return backend
 
 
+# os.environ.get encodes the key and raises and catches two KeyErrors when the variable is unset:
+# ~17 us a call when it runs cold, as every op call in a model does. The dict behind os.environ
+# (CPython keeps it in sync with every change made through os.environ) answers in one lookup.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey("FASTATTN_BACKEND") if hasattr(os.environ, "encodekey") else None
+
+
+def _environment_backend() -> str | None:
+    if _ENV_DATA is None or _ENV_KEY is None:
+        return os.environ.get("FASTATTN_BACKEND")
+    raw = _ENV_DATA.get(_ENV_KEY)
+    return None if raw is None else os.environ.decodevalue(raw)
+
+
 def _requested() -> tuple[str | None, str]:
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1], "fastattn.use_backend"
-    env = os.environ.get("FASTATTN_BACKEND")
+    env = _environment_backend()
     if env:
         return env, "FASTATTN_BACKEND"
     return None, ""
+
+
+_DEVICE_TYPES: dict[torch.device, str] = {}
+
+
+def device_type(device: torch.device) -> str:
+    """``device.type``, remembered per device: torch builds that string anew on every access
+    (~10 us when the call runs cold)."""
+    kind = _DEVICE_TYPES.get(device)
+    if kind is None:
+        kind = _DEVICE_TYPES[device] = device.type
+    return kind
 
 
 def select(
@@ -278,6 +317,14 @@ def select(
     debug level.
     """
     name, source = (backend, "backend=") if backend is not None else _requested()
+    # A choice already made for this kind of call (same backend asked for, op, device, dtype and
+    # features) holds while the backend's declared limits take the call's facts. (Checked against
+    # the registry too, which tests edit by hand.)
+    key = (name, op, device, dtype, needs)
+    known = _CHOSEN.get(key)
+    if (known is not None and _REGISTRY.get(known[0]) is known[1] and known[1].impls.get(op) is known[2]
+            and (known[3] is None or known[3](**facts) is None)):
+        return known[0], known[2]
     if name is not None:
         b = _check_name(name)
         problem = b.refuses(op, device, dtype, facts, needs)
@@ -287,9 +334,10 @@ def select(
                 f"backend {name!r} (from {source}) cannot run {op}: {problem}; "
                 f"backends that can: {usable}"
             )
+        _CHOSEN[key] = (name, b, b.impls[op], b.caps.get(op, _NO_CAPABILITY).limits)
         return name, b.impls[op]
     best = None
-    for name in _PREFERENCE.get(device.type, ("naive",)):
+    for name in _PREFERENCE.get(device_type(device), ("naive",)):
         b = _REGISTRY[name]
         if b.unavailable() is None and op in b.impls and op not in b.missing:
             best = best or name
@@ -297,6 +345,8 @@ def select(
             if problem is None:
                 if name != best:
                     log_fallback_once(op, best, name, f"{best} cannot: {_REGISTRY[best].refuses(op, device, dtype, facts, needs)}")
+                else:  # (a fallback is not remembered: the best may take the next call)
+                    _CHOSEN[key] = (name, b, b.impls[op], b.caps.get(op, _NO_CAPABILITY).limits)
                 return name, b.impls[op]
     raise ValueError(f"no backend can run {op} on {device.type} tensors")
 

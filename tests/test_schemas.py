@@ -112,7 +112,11 @@ def test_limits_are_checked_with_the_call_facts():
         backends.select("limit_probe", torch.device("cpu"), "probe2", n=3)
         with pytest.raises(ValueError, match="cannot run limit_probe: rows of 5 > 4"):
             backends.select("limit_probe", torch.device("cpu"), "probe2", n=5)
-        assert seen == [3, 5]
+        # a choice select remembers is held to the limits of every later call
+        backends.select("limit_probe", torch.device("cpu"), "probe2", n=4)
+        with pytest.raises(ValueError, match="rows of 6 > 4"):
+            backends.select("limit_probe", torch.device("cpu"), "probe2", n=6)
+        assert seen[0] == 3 and set(seen[1:]) == {4, 5, 6}  # (a refused call may ask twice)
     finally:
         del backends._REGISTRY["probe2"]
 
