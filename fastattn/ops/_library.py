@@ -114,13 +114,15 @@ def eager_autograd(fwd: Callable, setup_context: Callable | None = None,
         return fwd
     raw = op_callable(fwd)
     formula = _Formula(raw, setup_context, backward) if backward is not None else None
+    below, grad_enabled = torch._C._AutoDispatchBelowAutograd, torch.is_grad_enabled
 
     def call(*args):
-        if no_autograd(*args):
-            with torch._C._AutoDispatchBelowAutograd():
-                return raw(*args)
-        if formula is not None and plain_eager():  # (torch's Python apply would only forward)
-            return _C_APPLY(*args, formula)
+        if plain_eager():
+            if not (grad_enabled() and _ANY_REQUIRES_GRAD(*args)):
+                with below():
+                    return raw(*args)
+            if formula is not None:  # (torch's Python apply would only forward)
+                return _C_APPLY(*args, formula)
         return fwd(*args)
 
     call.__name__ = getattr(fwd, "__name__", "fwd")

@@ -118,8 +118,8 @@ def _compiled(fwd):
             eps,
             rms,
         )
-        if y.shape != x.shape:  # (no view when not needed: a call's fixed cost counts when small)
-            y, h = y.view(x.shape), (h.view(x.shape) if residual is not None else None)
+        if y.shape != x.shape:  # (no view when not needed, and view_as: view(Size) costs ~3 us)
+            y, h = y.view_as(x), (h.view_as(x) if residual is not None else None)
         return y, (h if residual is not None else None)
 
     return impl
