@@ -29,8 +29,8 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    check_like, define_op, empty_or_none, forward_ad_needs, last_dim_contiguous, no_autograd,
-    op_callable, triton_kernels,
+    BELOW_AUTOGRAD, IS_COMPILING, check_like, define_op, empty_or_none, forward_ad_needs,
+    last_dim_contiguous, no_autograd, op_callable, triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -613,9 +613,9 @@ def attention(
     if compiled is None or compiled[0] is not impl:  # a backend registered by a user
         out, lse = impl(query, key, value, mask, *args)
     elif no_autograd(query, key, value, mask):  # plain eager with nothing to differentiate
-        with torch._C._AutoDispatchBelowAutograd():
+        with BELOW_AUTOGRAD():
             out, lse = compiled[3](query, key, value, mask, *args)
-    elif torch.compiler.is_compiling():
+    elif IS_COMPILING():
         out, lse = impl(query, key, value, mask, *args)
     else:
         out, lse = _Attention.apply(query, key, value, mask, *args, *compiled[:3], name)
