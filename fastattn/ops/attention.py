@@ -197,6 +197,8 @@ def _fused_grads(bwd, dout, saved, args, need_dmask):
 
 
 def _backward(ops, ctx, dout, _dlse):
+    if dout is None:  # only lse was used: this formula gives lse no gradient (_Attention does)
+        return (None,) * 10
     need_dmask = ctx.float_mask and ctx.needs_input_grad[3]
     return (*_fused_grads(ops.bwd, dout, ctx.saved_tensors, ctx.args, need_dmask), *(None,) * 6)
 

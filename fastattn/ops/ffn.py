@@ -69,6 +69,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ops, ctx, dout, _dpre):
+    if dout is None:  # (pre, an internal output, gets no gradient; or an undefined one)
+        return (None,) * 6
     x, w1, w2, pre = ctx.saved_tensors
     want = [ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]]
     dx, dw1, db1, dw2, db2 = ops.bwd(dout.contiguous(), x, w1, w2, pre, ctx.activation, want)

@@ -149,6 +149,8 @@ def _table_grads(dy, x, cos, positions, interleaved, inverse):
 
 
 def _backward(ops, ctx, dy):
+    if dy is None:  # (an undefined gradient: gradcheck passes one)
+        return (None,) * 6
     cos, sin, positions, x = ctx.saved_tensors
     dy = last_dim_contiguous(dy)
     dx = dcos = dsin = None

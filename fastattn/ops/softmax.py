@@ -53,6 +53,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ops, ctx, dy):
+    if dy is None:  # (an undefined gradient: gradcheck passes one)
+        return None, None, None, None
     (y,) = ctx.saved_tensors
     dy = last_dim_contiguous(dy)
     dx = ops.bwd(dy, y, ctx.scale)

@@ -123,6 +123,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ops, ctx, dout, _dlse):
+    if dout is None:  # (lse gets no gradient from this formula)
+        return (None,) * 13
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = ops.bwd(last_dim_contiguous(dout), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     return (dq, dk, dv) + (None,) * 10
