@@ -601,6 +601,12 @@ def attention(
     mode raises a ValueError; the automatic choice passes over it).
     """
     mask = _validate(query, key, value, mask, dropout_p, enable_gqa, causal, window)
+    return _attend(query, key, value, mask, causal, window, scale, dropout_p, seed, return_lse, backend)
+
+
+def _attend(query, key, value, mask, causal, window, scale, dropout_p, seed, return_lse, backend):
+    """:func:`attention` on arguments already checked (by :func:`_validate`, or by
+    :func:`_sdpa_shapes` for the SDPA drop-in): mask None or (B, H, Lq, Lk)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     offset, left, right = band(query.shape[2], key.shape[2], causal, window)
     if dropout_p > 0 and seed is None:
@@ -743,8 +749,6 @@ def scaled_dot_product_attention(
             mask = mask.to(q.dtype)
     if E == 0:  # every score is 0 whatever the scale (PyTorch's 1/sqrt(0) multiplies nothing);
         scale, backend = 1.0, "naive"  # the compiled kernels need a head dim, the result is the same
-    out = attention(
-        q, k, v, mask, causal=bool(is_causal), scale=scale, dropout_p=dropout_p,
-        enable_gqa=hkv != H, backend=backend,
-    )
-    return out.reshape(out_shape)
+    # (checked above with PyTorch's rules, which cover attention's own: no second check)
+    out = _attend(q, k, v, mask, bool(is_causal), None, scale, dropout_p, None, False, backend)
+    return out if out.shape == out_shape else out.reshape(out_shape)
