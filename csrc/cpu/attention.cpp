@@ -540,12 +540,9 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   at::Tensor qp = at::empty({packed_rows_size(sh.B * sh.H * sh.Lq, sh.D)}, acc_opts);
   at::Tensor kt = at::empty({sh.B * sh.Hkv * nkb * sh.D * BK}, acc_opts);
   at::Tensor vp = at::empty({packed_rows_size(sh.B * sh.Hkv * sh.Lk, Dvp)}, acc_opts);
-  pack_rows<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, sh.D,
-                  qp.data_ptr<A>(), static_cast<A>(scale));
-  pack_transposed<T, A>(k.const_data_ptr<T>(), strides_of(k), sh.B, sh.Hkv, sh.Lk, sh.D, BK,
-                        kt.data_ptr<A>());
-  pack_rows<T, A>(v.const_data_ptr<T>(), strides_of(v), sh.B, sh.Hkv, sh.Lk, sh.Dv, Dvp,
-                  vp.data_ptr<A>());
+  pack_qkv<T, A>(q.const_data_ptr<T>(), strides_of(q), k.const_data_ptr<T>(), strides_of(k),
+                 v.const_data_ptr<T>(), strides_of(v), sh, BK, static_cast<A>(scale),
+                 qp.data_ptr<A>(), kt.data_ptr<A>(), vp.data_ptr<A>(), Dvp);
   at::Tensor out_acc = acc_output<T, A>(out);
   const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, BQ, BK);
   const std::vector<uint8_t> v_bad = nonfinite_tiles(vp.const_data_ptr<A>(), sh.B * sh.Hkv, sh.Lk, Dvp, BK);

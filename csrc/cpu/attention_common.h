@@ -271,6 +271,18 @@ std::vector<uint8_t> nonfinite_tiles(const A* rows, int64_t heads, int64_t L, in
   return flags;
 }
 
+// Row c of a transposed tile (dim x tile): out[d * tile + c] = row[d].
+template <class A>
+inline void put_column(const A* row, A* out, int64_t dim, int64_t tile, int64_t c) {
+  for (int64_t d = 0; d < dim; ++d) out[d * tile + c] = row[d];
+}
+
+// Columns [n, tile) of a transposed tile (dim x tile) set to zero.
+template <class A>
+inline void zero_columns(A* out, int64_t dim, int64_t tile, int64_t n) {
+  for (int64_t d = 0; d < dim; ++d) std::fill(out + d * tile + n, out + (d + 1) * tile, A(0));
+}
+
 // Transposed tiles: dst[((bh * ntiles + t) * dim + d) * tile + c] = scale * src[b, head, t * tile + c, d],
 // zero for rows >= L.
 template <class T, class A>
@@ -285,11 +297,48 @@ void pack_transposed(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t
       const int64_t n = std::min(tile, L - t * tile);
       for (int64_t c = 0; c < n; ++c) {
         pack_row(src + b * s.s0 + hd * s.s1 + (t * tile + c) * s.s2, row.data(), dim, dim, scale);
-        for (int64_t d = 0; d < dim; ++d) out[d * tile + c] = row[d];
+        put_column(row.data(), out, dim, tile, c);
       }
-      for (int64_t d = 0; d < dim; ++d) std::fill(out + d * tile + n, out + (d + 1) * tile, A(0));
+      zero_columns(out, dim, tile, n);
     }
   });
+}
+
+// The forward's three packings in one pass: q as pack_rows (times scale, row length D), k as
+// pack_transposed (tiles of `tile` keys), v as pack_rows (row length Dvp). A task (b, h, tile t)
+// packs q's rows of tile t and, for the first query head of each kv head, k's and v's rows of
+// the same tile, token by token: where q, k and v are views of one qkv tensor (self-attention
+// after one projection) that is one sequential stream, where three passes each read a third of
+// every token at the token's stride.
+template <class T, class A>
+void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Strided4 vs,
+              const Shape& sh, int64_t tile, A scale, A* qp, A* kt, A* vp, int64_t Dvp) {
+  const int64_t nkb = ceil_div(sh.Lk, tile), ntiles = std::max(ceil_div(sh.Lq, tile), nkb);
+  at::parallel_for(0, sh.B * sh.H * ntiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<A> row(sh.D);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t bh = task / ntiles, t = task % ntiles, b = bh / sh.H, h = bh % sh.H;
+      const int64_t g = h / sh.G, bg = b * sh.Hkv + g;
+      const int64_t nq = std::clamp<int64_t>(sh.Lq - t * tile, 0, tile);
+      const int64_t nk = h % sh.G == 0 && t < nkb ? std::min(tile, sh.Lk - t * tile) : 0;
+      const T* qh = q + b * qs.s0 + h * qs.s1;
+      const T* kh = k + b * ks.s0 + g * ks.s1;
+      const T* vh = v + b * vs.s0 + g * vs.s1;
+      A* kout = kt + (bg * nkb + t) * sh.D * tile;
+      for (int64_t c = 0, r = t * tile; c < std::max(nq, nk); ++c, ++r) {
+        if (c < nq) pack_row(qh + r * qs.s2, qp + (bh * sh.Lq + r) * sh.D, sh.D, sh.D, scale);
+        if (c < nk) {
+          pack_row(kh + r * ks.s2, row.data(), sh.D, sh.D, A(1));
+          put_column(row.data(), kout, sh.D, tile, c);
+          pack_row(vh + r * vs.s2, vp + (bg * sh.Lk + r) * Dvp, sh.Dv, Dvp, A(1));
+        }
+      }
+      if (h % sh.G == 0 && t < nkb) zero_columns(kout, sh.D, tile, nk);
+    }
+  });
+  const int64_t qrows = sh.B * sh.H * sh.Lq, vrows = sh.B * sh.Hkv * sh.Lk;
+  std::fill(qp + qrows * sh.D, qp + (qrows + cpu::kGemmRowPad) * sh.D, A(0));
+  std::fill(vp + vrows * Dvp, vp + (vrows + cpu::kGemmRowPad) * Dvp, A(0));
 }
 
 // ---------------------------------------------------------------------------------------------
