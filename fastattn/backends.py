@@ -98,14 +98,6 @@ class Backend:
         self, op: str, device: torch.device, dtype: torch.dtype | None, facts: dict, needs: tuple[str, ...] = ()
     ) -> str | None:
         """Why this backend cannot run ``op`` on these inputs, or None when it can."""
-        problem = self.refuses_kind(op, device, dtype)
-        cap = self.caps.get(op, _NO_CAPABILITY)
-        if problem is None and cap.limits is not None:
-            problem = cap.limits(**facts)
-        return problem or (self.lacks(op, needs) if needs else None)
-
-    def refuses_kind(self, op: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
-        """Why this backend cannot run ``op`` on any inputs on ``device`` of ``dtype``, or None."""
         cap = self.caps.get(op, _NO_CAPABILITY)
         problem = self.missing.get(op) or self.unavailable()
         if problem is None and op not in self.impls:
@@ -114,7 +106,9 @@ class Backend:
             problem = f"it does not run on {device.type} tensors"
         if problem is None and dtype is not None and dtype not in (cap.dtypes or self.dtypes):
             problem = f"it does not take {dtype}"
-        return problem
+        if problem is None and cap.limits is not None:
+            problem = cap.limits(**facts)
+        return problem or (self.lacks(op, needs) if needs else None)
 
 
 def interpreting() -> bool:
@@ -334,7 +328,7 @@ def select(
                 f"backend {name!r} (from {source}) cannot run {op}: {problem}; "
                 f"backends that can: {usable}"
             )
-        _CHOSEN[key] = (name, b, b.impls[op], b.caps.get(op, _NO_CAPABILITY).limits)
+        _CHOSEN[key] = _choice(name, b, op)
         return name, b.impls[op]
     best = None
     for name in _PREFERENCE.get(device_type(device), ("naive",)):
@@ -346,9 +340,14 @@ def select(
                 if name != best:
                     log_fallback_once(op, best, name, f"{best} cannot: {_REGISTRY[best].refuses(op, device, dtype, facts, needs)}")
                 else:  # (a fallback is not remembered: the best may take the next call)
-                    _CHOSEN[key] = (name, b, b.impls[op], b.caps.get(op, _NO_CAPABILITY).limits)
+                    _CHOSEN[key] = _choice(name, b, op)
                 return name, b.impls[op]
     raise ValueError(f"no backend can run {op} on {device.type} tensors")
+
+
+def _choice(name: str, b: Backend, op: str) -> tuple[str, Backend, Callable, Callable | None]:
+    """What select remembers of a choice (see _CHOSEN)."""
+    return name, b, b.impls[op], b.caps.get(op, _NO_CAPABILITY).limits
 
 
 def log_fallback_once(op: str, src: str, dst: str, reason: str) -> None:

@@ -320,7 +320,8 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
       const int64_t bh = task / ntiles, t = task % ntiles, b = bh / sh.H, h = bh % sh.H;
       const int64_t g = h / sh.G, bg = b * sh.Hkv + g;
       const int64_t nq = std::clamp<int64_t>(sh.Lq - t * tile, 0, tile);
-      const int64_t nk = h % sh.G == 0 && t < nkb ? std::min(tile, sh.Lk - t * tile) : 0;
+      const bool owns_kv = h % sh.G == 0 && t < nkb;  // the group's first head packs k and v
+      const int64_t nk = owns_kv ? std::min(tile, sh.Lk - t * tile) : 0;
       const T* qh = q + b * qs.s0 + h * qs.s1;
       const T* kh = k + b * ks.s0 + g * ks.s1;
       const T* vh = v + b * vs.s0 + g * vs.s1;
@@ -333,7 +334,7 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
           pack_row(vh + r * vs.s2, vp + (bg * sh.Lk + r) * Dvp, sh.Dv, Dvp, A(1));
         }
       }
-      if (h % sh.G == 0 && t < nkb) zero_columns(kout, sh.D, tile, nk);
+      if (owns_kv) zero_columns(kout, sh.D, tile, nk);
     }
   });
   const int64_t qrows = sh.B * sh.H * sh.Lq, vrows = sh.B * sh.Hkv * sh.Lk;
