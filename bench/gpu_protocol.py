@@ -26,6 +26,7 @@ its own process, so a fault costs one line.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -35,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +53,18 @@ class Step:
     cmd: list[str]
     timeout: int                          # seconds; the step is killed after it
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Lanes:
+    """Sequences of steps that run side by side (a thread each), e.g. the extension's build on
+    the CPUs while the Triton tests use the GPU; the next stage starts when every lane is done."""
+    lanes: list[list[Step]]
+
+    @property
+    def timeout(self) -> int:
+        return max(sum(step.timeout for step in lane) for lane in self.lanes)
+
 
 
 def _pytest(*args, junit=None, workers=None, timeout=None):
@@ -84,77 +98,98 @@ _BLOCKING = {"CUDA_LAUNCH_BLOCKING": "1", "FASTATTN_TRITON_TMA": "0"}
 # (editable, no extension: seconds), and calls that use the CUDA kernels build the extension
 # unless an earlier call on this machine did (sm_90a only: a third of the default compile time).
 _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-                            "-e", "."], 60, _NO_EXT)
+                            "-e", "."], 40, _NO_EXT)
 _BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} -m pip "
                         "install -q --no-build-isolation --no-deps -e ."], 200,
               {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "16"})
 _CLI = [PY, "-m", "fastattn.cli"]
-_QUICK_BENCH = ["--op", "attention", "--d", "64,128", "--seq", "1024,4096,16384", "--mask", "none",
-                "--budget", "0.1"]
+_QUICK_BENCH = ["--op", "attention", "--seq", "1024,4096,16384", "--mask", "none", "--budget", "0.1"]
 
-# The calls, in the order a session makes them; each one's steps fit CALL_BUDGET_S.
-CALLS: dict[str, list[Step]] = {
-    # 1. Triton only, no CUDA build: versions, info, one shape of every kernel (a process each),
-    #    the kernel tests on the pointer path with blocking launches, then the descriptor (TMA)
-    #    tests one process each, so an asynchronous TMA fault poisons one test, not the rest.
-    "triton": [
-        _INSTALL,
-        Step("versions", ["bash", "-c", "nvidia-smi; nvcc --version; " + PY + " -c 'import sys, "
-                          "torch, triton; print(sys.version); print(torch.__version__, "
-                          "torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'"
-                          "; pip list 2>/dev/null | grep -iE 'torch|triton|xdist|timeout'"], 20),
-        Step("info", [*_CLI, "info"], 20, _NO_EXT),
-        *_smokes("triton"),
-        Step("test-kernels-pointer", _pytest(*KERNEL_TESTS, "-k", "not tma",
-                                             junit="kernels-pointer", timeout=100), 130,
-             {**_NO_EXT, **_BLOCKING}),
-        Step("test-kernels-tma", [PY, "bench/gpu_protocol.py", "--isolated", "{out}",
-                                  *KERNEL_TESTS, "-k", "tma"], 100, _NO_EXT),
+_TRITON_INFO = Step("info", [*_CLI, "info"], 15, _NO_EXT)
+_VERSIONS = Step("versions", ["bash", "-c", "nvidia-smi; nvcc --version; " + PY + " -c 'import sys, "
+                 "torch, triton; print(sys.version); print(torch.__version__, "
+                 "torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'"
+                 "; pip list 2>/dev/null | grep -iE 'torch|triton|xdist|timeout'"], 15)
+_TRITON_TESTS = [
+    Step("test-kernels-pointer", _pytest(*KERNEL_TESTS, "-k", "not tma", junit="kernels-pointer",
+                                         workers=4, timeout=100), 120, {**_NO_EXT, **_BLOCKING}),
+    Step("test-kernels-tma", [PY, "bench/gpu_protocol.py", "--isolated", "{out}", *KERNEL_TESTS,
+                              "-k", "tma"], 90, _NO_EXT),
+]
+# (+ the NaN rule's cuda cases: the careful paths run on no other call with blocking launches,
+# and nowhere but a GPU)
+_CUDA_TESTS = Step("test-cuda", _pytest("tests/test_cuda_kernels.py", "tests/test_nan.py", "-k",
+                                        "cuda", junit="cuda", workers=8, timeout=100), 120,
+                   {"CUDA_LAUNCH_BLOCKING": "1"})
+# A long build gets the CPUs while the Triton lane runs (the "check" call), else _BUILD's budget.
+_LONG_BUILD = dataclasses.replace(_BUILD, name="build", timeout=270)
+
+# The calls, in the order a session makes them; each one's steps fit CALL_BUDGET_S. A 15-minute
+# lease makes "check" then "bench"; a 30-minute one goes on with "rest", "sanitize" and "full".
+# ("triton" and "cuda" are check's two halves, one after the other, for rerunning one.)
+CALLS: dict[str, list[Step | Lanes]] = {
+    # 1. Correctness of both GPU backends in one call: the Triton kernels on the GPU while the
+    #    extension builds on the CPUs, then the CUDA kernels.
+    "check": [
+        _INSTALL, _VERSIONS,
+        Lanes([[_TRITON_INFO, Lanes([[s] for s in _smokes("triton")]), *_TRITON_TESTS],
+               [_LONG_BUILD]]),
+        Step("info-cuda", [*_CLI, "info"], 15),
+        Lanes([[s] for s in _smokes("cuda")]),
+        _CUDA_TESTS,
     ],
-    # 2. The CUDA extension, its kernels' smoke and GPU tests with blocking launches.
-    "cuda": [
-        _INSTALL, _BUILD,
-        Step("info", [*_CLI, "info"], 15),
-        *_smokes("cuda"),
-        # (+ the NaN rule's cuda cases: the careful paths run on no other call with blocking
-        # launches, and nowhere but a GPU)
-        Step("test-cuda", _pytest("tests/test_cuda_kernels.py", "tests/test_nan.py", "-k", "cuda",
-                                  junit="cuda", workers=8, timeout=100), 120,
-             {"CUDA_LAUNCH_BLOCKING": "1"}),
-    ],
-    # 3. The quick benchmark: attention D64/D128, L 1k-16k, fwd and fwd+bwd, causal and not,
-    #    bf16, against each SDPA backend and FlexAttention; softmax and layer norm bandwidth.
+    # 2. The quick benchmark, right after "check" while the machine is warm and keeps the build:
+    #    softmax and layer norm bandwidth; attention D128 then D64, L 1k-16k, fwd and fwd+bwd,
+    #    causal and not, bf16, against each SDPA backend (FlexAttention and torch.compile compile
+    #    every shape: they are in "full"). D64 runs each Triton kernel's first kept config, so
+    #    that it fits whatever autotuning D128 took.
     "bench": [
         _INSTALL, _BUILD,
-        Step("bench-attention", [*_CLI, "bench", *_QUICK_BENCH, "--json",
-                                 "{out}/bench-attention.json"], 150),
         Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
-                                 "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 60),
+                                 "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 50),
+        Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--d", "128", "--no-compile",
+                                      "--json", "{out}/bench-attention-d128.json"], 120),
+        Step("bench-attention-d64", [*_CLI, "bench", *_QUICK_BENCH, "--d", "64", "--no-compile",
+                                     "--json", "{out}/bench-attention-d64.json"], 70,
+             {"FASTATTN_AUTOTUNE": "0"}),
     ],
-    # 4. Everything else in the suite, in parallel.
+    # 3. Everything else in the suite, in parallel.
     "rest": [
         _INSTALL, _BUILD,
         Step("test-rest", _pytest("tests", "--ignore=tests/test_cuda_kernels.py",
                                   *(f"--ignore={t}" for t in KERNEL_TESTS), junit="rest",
                                   workers=8, timeout=150), 210),
     ],
-    # 5. compute-sanitizer on the CUDA kernels, each tool in its own step.
+    # 4. compute-sanitizer on the CUDA kernels, each tool in its own step.
     "sanitize": [
         _INSTALL, _BUILD,
         *(Step(tool, ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", PY,
                       "bench/sanitize_cuda.py"], 100) for tool in ("memcheck", "racecheck")),
     ],
-    # 6. When a session has time left: the full grid, and the Triton pointer path beside the
+    # 5. When a session has time left: the full grid, and the Triton pointer path beside the
     #    descriptor path.
     "full": [
         _INSTALL,
         Step("bench-full", [*_CLI, "bench", "--budget", "0.1", "--json", "{out}/bench-full.json"],
              280, _NO_EXT),
-        Step("bench-pointer", [*_CLI, "bench", *_QUICK_BENCH, "--providers",
+        Step("bench-pointer", [*_CLI, "bench", *_QUICK_BENCH, "--d", "64,128", "--providers",
                                "fastattn-triton,sdpa", "--json", "{out}/bench-pointer.json"], 120,
              {**_NO_EXT, "FASTATTN_TRITON_TMA": "0"}),
     ],
 }
+
+
+# check's halves, one after the other: Triton only, no CUDA build (one process per smoke, the
+# descriptor tests one process each, so an asynchronous TMA fault poisons one test, not the rest);
+# then the extension, its smokes and GPU tests with blocking launches.
+CALLS["triton"] = [_INSTALL, _VERSIONS, _TRITON_INFO, *_smokes("triton"), *_TRITON_TESTS]
+CALLS["cuda"] = [_INSTALL, _BUILD, Step("info", [*_CLI, "info"], 15), *_smokes("cuda"),
+                 _CUDA_TESTS]
+
+
+def _flat(stage: Step | Lanes) -> list[Step]:
+    return [s for lane in stage.lanes for st in lane for s in _flat(st)] \
+        if isinstance(stage, Lanes) else [stage]
 
 
 def budget(call: str) -> int:
@@ -203,14 +238,24 @@ def run_step(step: Step, out: Path) -> dict:
     return record
 
 
-def run_call(call: str, steps: list[Step] | None = None, out: Path | None = None) -> int:
+def run_call(call: str, steps: list[Step | Lanes] | None = None, out: Path | None = None) -> int:
     steps = CALLS[call] if steps is None else steps
     out = results_dir(call) if out is None else out
     out.mkdir(parents=True, exist_ok=True)
-    records = []
-    for step in steps:
-        records.append(run_step(step, out))
-        _pack(call, out, records)
+    records, lock = [], threading.Lock()
+
+    def run(stage):
+        if isinstance(stage, Lanes):
+            with concurrent.futures.ThreadPoolExecutor(len(stage.lanes)) as pool:
+                list(pool.map(lambda lane: [run(s) for s in lane], stage.lanes))
+            return
+        record = run_step(stage, out)
+        with lock:
+            records.append(record)
+            _pack(call, out, records)
+
+    for stage in steps:
+        run(stage)
     failed = [r["step"] for r in records if r["status"] != "ok"]
     print(f"{call}: {len(records) - len(failed)} of {len(records)} steps ok"
           + (f"; not ok: {', '.join(failed)}" if failed else "") + f"; results in {out}")
@@ -227,13 +272,16 @@ def dry_run(calls: list[str]) -> int:
               f"(limit {CALL_BUDGET_S} s){'  OVER' if total > CALL_BUDGET_S else ''}")
         if total > CALL_BUDGET_S:
             problems.append(f"{call} is over budget")
-        for step in CALLS[call]:
-            env = " ".join(f"{k}={v}" for k, v in step.env.items())
-            print(f"  {step.name:24} {step.timeout:4} s  {env + ' ' if env else ''}"
-                  f"{shlex.join(step.cmd)}")
-            for part in step.cmd:
-                if part.startswith(("tests/", "bench/")) and not (ROOT / part).exists():
-                    problems.append(f"{call}/{step.name}: {part} does not exist")
+        for stage in CALLS[call]:
+            if isinstance(stage, Lanes):
+                print(f"  side by side, {stage.timeout} s at most:")
+            for step in _flat(stage):
+                env = " ".join(f"{k}={v}" for k, v in step.env.items())
+                print(f"  {step.name:24} {step.timeout:4} s  {env + ' ' if env else ''}"
+                      f"{shlex.join(step.cmd)}")
+                for part in step.cmd:
+                    if part.startswith(("tests/", "bench/")) and not (ROOT / part).exists():
+                        problems.append(f"{call}/{step.name}: {part} does not exist")
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return 1 if problems else 0
@@ -250,8 +298,6 @@ def plan() -> None:
 def isolated(out: str, pytest_args: list[str], workers: int = 8) -> int:
     """Run each selected test in its own process, ``workers`` at a time (a CUDA fault poisons
     only its own context); one junit file per test."""
-    import concurrent.futures
-
     ids = subprocess.run([PY, "-m", "pytest", "--collect-only", "-q", *pytest_args],
                          cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
     ids = [line for line in ids if "::" in line]

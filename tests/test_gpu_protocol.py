@@ -5,6 +5,7 @@ import importlib.util
 import json
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,19 @@ def test_overrunning_step_is_killed_and_results_are_packed_after_each_step(tmp_p
     assert any(n.endswith("made.txt") for n in names)
     assert any(n.endswith("steps.json") for n in names)
     assert "timeout" in (device_out / "test-summary.txt").read_text()
+
+
+def test_lanes_run_side_by_side_and_every_step_is_recorded(tmp_path):
+    def sleeps(name):
+        return protocol.Step(name, [sys.executable, "-c", "import time; time.sleep(1.5)"], 30)
+
+    stages = [protocol.Lanes([[sleeps("a1"), sleeps("a2")], [sleeps("b")]]), sleeps("after")]
+    assert protocol.Lanes(stages[0].lanes).timeout == 60
+    start = time.monotonic()
+    assert protocol.run_call("test", stages, tmp_path) == 0
+    wall = time.monotonic() - start
+    records = {r["step"]: r for r in json.loads((tmp_path / "steps.json").read_text())}
+    assert set(records) == {"a1", "a2", "b", "after"}
+    # b ran beside a1 and a2: the whole took about 4.5 s, where one after the other takes 6
+    assert sum(r["seconds"] for r in records.values()) >= 6 > wall + 0.5
+    assert all(r["status"] == "ok" for r in records.values())

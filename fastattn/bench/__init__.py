@@ -533,6 +533,9 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         from fastattn.kernels.descriptors import tma_status
 
         env["triton_attention"] = tma_status()
+        from fastattn.kernels import tuning
+
+        env["autotune"] = tuning.AUTOTUNE  # False: each Triton kernel's first kept config
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(device=props.name, cuda=torch.version.cuda, sms=props.multi_processor_count)
