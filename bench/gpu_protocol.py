@@ -99,8 +99,9 @@ _BLOCKING = {"CUDA_LAUNCH_BLOCKING": "1", "FASTATTN_TRITON_TMA": "0"}
 # unless an earlier call on this machine did (sm_90a only: a third of the default compile time).
 _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                             "-e", "."], 40, _NO_EXT)
-_BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} -m pip "
-                        "install -q --no-build-isolation --no-deps -e ."], 200,
+# (in place, not a second pip install: that would take the package away from a lane beside it)
+_BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} setup.py "
+                        "-q build_ext --inplace"], 200,
               {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "16"})
 _CLI = [PY, "-m", "fastattn.cli"]
 _QUICK_BENCH = ["--op", "attention", "--seq", "1024,4096,16384", "--mask", "none", "--budget", "0.1"]
