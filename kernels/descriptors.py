@@ -5,8 +5,12 @@ their loops: one policy for every launcher.
   compute capability >= 9 when the installed Triton has ``tl.make_tensor_descriptor``, the
   tensors are 16-bit (float32 only when forced), 16-byte aligned (base and walked strides) and
   torch.compile is not tracing;
-* :func:`warp_specialize_ok`: warp-specialized configs are autotuned only on Hopper and newer,
-  with a Triton whose ``tl.range`` takes ``warp_specialize``;
+* ``WARP_SPECIALIZE`` (FASTATTN_TRITON_WS: 0, 1) and :func:`warp_specialize_ok`: warp-specialized
+  configs are autotuned only when asked for (``1``), on Hopper and newer, with a Triton whose
+  ``tl.range`` takes ``warp_specialize``. Off by default: on the first GPU run (H200, Triton
+  3.6, 2026-11-26) the autotuned forward of D128 without a causal mask, whose only kept configs
+  besides the plain one are warp-specialized, gave wrong outputs (bench/results/gpu-notes.md);
+  the plain configs were right;
 * :func:`launch`: should the installed Triton fail to build or run either feature on this GPU,
   the feature is switched off for the process (``disabled``, :func:`tma_status`) and the launch
   repeated on the pointer path, which computes the same result;
@@ -36,6 +40,11 @@ _log = logging.getLogger(__name__)
 #: (older GPUs get it lowered to plain loads; the interpreter runs it, which is how the tests
 #: check this path on CPU); ``"0"`` never. Set from FASTATTN_TRITON_TMA at import; assignable.
 TMA = os.environ.get("FASTATTN_TRITON_TMA", "auto")
+
+#: Whether warp-specialized forward configs are autotuned ("1") or not ("0", the default until
+#: a GPU run shows them right: see the module docstring). Set from FASTATTN_TRITON_WS at
+#: import; assignable.
+WARP_SPECIALIZE = os.environ.get("FASTATTN_TRITON_WS", "0")
 
 # Features the installed Triton failed to build on this machine ("warp_specialize", "tma"),
 # with the error; each is tried once per process.
@@ -90,9 +99,14 @@ def use_tma(*tensors):
 
 
 def warp_specialize_ok():
-    """Warp-specialized forward configs are autotuned only on Hopper and newer, with a Triton
-    whose ``tl.range`` takes ``warp_specialize`` and that has not failed to build them here."""
-    return HAS_WARP_SPECIALIZE and "warp_specialize" not in disabled and hopper_or_newer()
+    """Warp-specialized forward configs are autotuned only when WARP_SPECIALIZE is "1", on
+    Hopper and newer, with a Triton whose ``tl.range`` takes ``warp_specialize`` and that has
+    not failed to build them here."""
+    if str(WARP_SPECIALIZE).strip() not in ("0", "1"):
+        raise ValueError(f"FASTATTN_TRITON_WS (kernels.descriptors.WARP_SPECIALIZE) must be 0 or "
+                         f"1, got {WARP_SPECIALIZE!r}")
+    return (str(WARP_SPECIALIZE).strip() == "1" and HAS_WARP_SPECIALIZE
+            and "warp_specialize" not in disabled and hopper_or_newer())
 
 
 def tma_status():
@@ -103,6 +117,7 @@ def tma_status():
         "mode": tma_mode(),
         "descriptors": HAS_DESCRIPTORS,
         "warp_specialize": HAS_WARP_SPECIALIZE,
+        "warp_specialize_on": str(WARP_SPECIALIZE).strip() == "1",
         "default_path": "tma" if tma_for("cuda") else "pointer",
         "disabled": dict(disabled),
     }

@@ -316,6 +316,7 @@ def test_nan_rule_warp_specialized_fixup(monkeypatch):
     if torch.cuda.is_available() and not descriptors.hopper_or_newer():
         pytest.skip("warp specialization is only tried on Hopper and newer")
     monkeypatch.setattr(descriptors, "TMA", "1")
+    monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "1")
     monkeypatch.setattr(descriptors, "disabled", {})
     bm, bn, warps, stages = (16, 16, 4, 1) if attn._INTERPRET else (128, 64, 4, 3)
     config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": True},

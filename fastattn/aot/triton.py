@@ -10,7 +10,8 @@ Triton's own launch path would on the device. Each variant gives a :class:`repor
 registers and spills, the shared memory Triton asks for, and the SASS features (cuobjdump).
 
 Descriptor (TMA) and pointer paths are both compiled for attention (``kernels.descriptors.TMA``
-forced to 1 and 0); warp-specialized configs are kept where the pruner keeps them on a Hopper GPU.
+forced to 1 and 0); warp-specialized configs are kept where the pruner keeps them on a Hopper GPU with
+FASTATTN_TRITON_WS=1.
 Tensor contents never matter, only shapes, dtypes, strides and 16-byte alignment.
 
 Spill budget: 0 bytes for every kept config, unless :data:`SPILL_BUDGET` names the kernel.
@@ -280,14 +281,16 @@ def _recording(into, case, path):
 
 @contextlib.contextmanager
 def _planning_for(target, autotune):
-    """Launch plans made for ``target`` without a GPU, autotuning on or off."""
-    from fastattn.kernels import tuning
-    saved = tuning.TARGET, tuning.AUTOTUNE
-    tuning.TARGET, tuning.AUTOTUNE = target, autotune
+    """Launch plans made for ``target`` without a GPU, autotuning on or off; warp-specialized
+    configs kept where FASTATTN_TRITON_WS=1 would keep them (off by default until a GPU run
+    shows them right, kernels/descriptors.py; compiled here so that they stay ready)."""
+    from fastattn.kernels import descriptors, tuning
+    saved = tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE
+    tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE = target, autotune, "1"
     try:
         yield
     finally:
-        tuning.TARGET, tuning.AUTOTUNE = saved
+        tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE = saved
 
 
 def capture(selected, *, all_configs=True, target=H100):
