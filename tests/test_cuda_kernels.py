@@ -140,7 +140,9 @@ def test_softmax_masks(shape, kind, causal, dtype):
     _close("dx", grads[0], ref.softmax_backward(_np(dy), _np(y), 0.5), 4 * SM_TOL[dtype])
     if mask.requires_grad:
         full = ref.softmax_backward(_np(dy), _np(y), 1.0)
-        _close("dmask", grads[1], _sum_to(full, tuple(mask.shape)), 8 * SM_TOL[dtype])
+        # dmask comes back in the mask's dtype: a float16 mask rounds it to float16
+        tol = max(SM_TOL[dtype], SM_TOL.get(mask.dtype, 0.0))
+        _close("dmask", grads[1], _sum_to(full, tuple(mask.shape)), 8 * tol)
     # Fully masked rows: exactly 0, with zero gradient.
     dead = np.isclose(want.sum(-1), 0.0)
     if dead.any():
@@ -392,7 +394,7 @@ def test_attention_unaligned_inputs_take_the_element_path(D):
 
 def test_attention_float32_is_rejected_with_a_clear_error():
     q = torch.randn(1, 1, 4, 16, device=DEV)
-    with pytest.raises(RuntimeError, match="float32.*triton"):
+    with pytest.raises(ValueError, match="float32.*triton"):  # refused by the backend's limits
         fastattn.attention(q, q, q, backend="cuda")
 
 
