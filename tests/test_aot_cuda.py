@@ -56,3 +56,20 @@ def test_attention_kernels_must_use_ldmatrix_cp_async_and_mma():
     assert row.status == "FAIL" and "ldmatrix" in row.problems[0]
     assert cuda.rule_for("rope_kernel").spill_budget == 0
     assert all(r.reason for r in cuda.KERNEL_RULES if r.spill_budget), "a budget needs a reason"
+
+
+def test_ffn_activation_kernels_must_not_use_tanh_approx():
+    """--use_fast_math makes tanhf MUFU.TANH (relative error ~2^-11): float32 FFN gradients came
+    out 2-8x less accurate than torch's on the first GPU run. The gate reads the opcode with its
+    modifiers, so MUFU.TANH is told apart from the MUFU.EX2 that exp needs."""
+    from fastattn.aot.report import sass_features
+    sass = ("        /*0120*/                   MUFU.TANH R5, R4 ;\n"
+            "        /*0130*/                   MUFU.EX2 R6, R4 ;\n"
+            "        /*0140*/              @!P0 LDSM.16.M88.4 R8, [R2] ;\n")
+    assert sass_features(sass) == ("ldmatrix", "tanh.approx")
+    assert sass_features(sass.replace("MUFU.TANH", "MUFU.RCP")) == ("ldmatrix",)
+    for kernel in ("act_fwd_kernel", "act_bwd_kernel"):
+        rule = cuda.rule_for(kernel)
+        row = Row(kernel=kernel, case="", features=sass_features(sass), forbidden=rule.forbidden)
+        assert row.status == "FAIL" and "tanh.approx" in row.problems[0]
+    assert "tanh.approx" not in cuda.rule_for("softmax_fwd_block_kernel").forbidden

@@ -62,17 +62,39 @@ constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
 constexpr float kSqrt2OverPi = 0.79788456080286536f;  // sqrt(2 / pi)
 constexpr float kGeluTanhC = 0.044715f;
 
+// exp and tanh to a few ulp. setup.py's --use_fast_math (for the attention kernels) makes
+// tanhf the tanh.approx instruction (relative error about 2^-11) and expf __expf (error growing
+// with |x|): on the first GPU run (H200, 2026-11-26) float32 FFN gradients through gelu_tanh,
+// silu and swiglu came out 2-8 times less accurate than torch's. These cost nothing in a
+// memory-bound kernel.
+__device__ __forceinline__ float exp_accurate(float x) {
+  constexpr float kLog2e = 1.44269502162933349609375f;  // log2(e) rounded to float
+  constexpr float kLog2eLo = 1.9259629911266175e-08f;   // log2(e) - kLog2e
+  x = fminf(fmaxf(x, -104.f), 88.f);                    // 2^t stays finite, err too
+  const float t = x * kLog2e;
+  const float err = fmaf(x, kLog2e, -t) + x * kLog2eLo;  // x log2(e) - t, |err| < 2^-17
+  const float e = exp2f(t);                              // ex2.approx: 2 ulp
+  return fmaf(e, err * 0.693147180559945309f, e);        // 2^(t + err) = 2^t (1 + err ln 2)
+}
+
+// tanh(u) = 1 - 2 / (e^2u + 1): absolute error of a few 1e-8, which is what gelu and silu need
+// (they add it to 1); |u| > 15 rounds to +-1 in float32 anyway.
+__device__ __forceinline__ float tanh_accurate(float u) {
+  const float e = exp_accurate(2.f * fminf(fmaxf(u, -15.f), 15.f));
+  return 1.f - 2.f * __frcp_rn(e + 1.f);
+}
+
 // f(h) and f'(h) of the elementwise activation ACT (float32).
 template <int ACT>
 __device__ __forceinline__ float act_f(float h) {
   if constexpr (ACT == kGelu) {
     return 0.5f * h * (1.f + erff(h * kSqrt1_2));
   } else if constexpr (ACT == kGeluTanh) {
-    return 0.5f * h * (1.f + tanhf(kSqrt2OverPi * (h + kGeluTanhC * h * h * h)));
+    return 0.5f * h * (1.f + tanh_accurate(kSqrt2OverPi * (h + kGeluTanhC * h * h * h)));
   } else if constexpr (ACT == kRelu) {
     return h > 0.f ? h : 0.f;
   } else {
-    return h * (0.5f + 0.5f * tanhf(0.5f * h));  // h * sigmoid(h), no exp overflow
+    return h * (0.5f + 0.5f * tanh_accurate(0.5f * h));  // h * sigmoid(h), no exp overflow
   }
 }
 
@@ -81,9 +103,9 @@ __device__ __forceinline__ void act_f_df(float h, float& f, float& df) {
   if constexpr (ACT == kGelu) {
     const float cdf = 0.5f * (1.f + erff(h * kSqrt1_2));
     f = h * cdf;
-    df = cdf + h * kInvSqrt2Pi * expf(-0.5f * h * h);
+    df = cdf + h * kInvSqrt2Pi * exp_accurate(-0.5f * h * h);
   } else if constexpr (ACT == kGeluTanh) {
-    const float t = tanhf(kSqrt2OverPi * (h + kGeluTanhC * h * h * h));
+    const float t = tanh_accurate(kSqrt2OverPi * (h + kGeluTanhC * h * h * h));
     f = 0.5f * h * (1.f + t);
     df = 0.5f * (1.f + t) +
          0.5f * h * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluTanhC * h * h);
@@ -91,7 +113,7 @@ __device__ __forceinline__ void act_f_df(float h, float& f, float& df) {
     f = h > 0.f ? h : 0.f;
     df = h > 0.f ? 1.f : 0.f;
   } else {
-    const float s = 0.5f + 0.5f * tanhf(0.5f * h);
+    const float s = 0.5f + 0.5f * tanh_accurate(0.5f * h);
     f = h * s;
     df = s * (1.f + h * (1.f - s));
   }

@@ -10,8 +10,9 @@ template argument (``attn_fwd_kernel<T, Cfg, SMEM>``) so that it can be read off
 
 Budgets (:data:`KERNEL_RULES`): 0 bytes of spills for every kernel unless a reason is written
 beside a larger one; the attention kernels (forward, dK/dV, dQ) must use ldmatrix, cp.async and
-mma.sync. ``python .ci/compile_cuda.py`` (``make check-cuda``) prints the table and fails on a
-compile error, a spill over budget or a missing instruction.
+mma.sync; the FFN's activation kernels must not use tanh.approx (float32 accuracy).
+``python .ci/compile_cuda.py`` (``make check-cuda``) prints the table and fails on a
+compile error, a spill over budget, a missing instruction or a forbidden one.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class KernelRule:
     pattern: str                      # regex searched in the kernel's base name
     spill_budget: int = 0             # bytes of spill stores + loads allowed
     required: tuple[str, ...] = ()    # SASS features it must hold
+    forbidden: tuple[str, ...] = ()   # SASS features it must not hold
     reason: str = ""                  # why a budget is not 0
 
 
@@ -52,6 +54,8 @@ class KernelRule:
 KERNEL_RULES = (
     KernelRule(r"^attn_(fwd|bwd_dkdv|bwd_dq)_kernel$", required=("ldmatrix", "cp.async", "mma")),
     KernelRule(r"^attn_bwd_delta_kernel$"),
+    # float32 FFN gradients must match torch's accuracy: no tanh.approx (ffn.cu, tanh_accurate)
+    KernelRule(r"^act_(fwd|bwd)_kernel$", forbidden=("tanh.approx",)),
 )
 
 
@@ -164,7 +168,7 @@ def compile_file(source: str, out_dir: str, archs: tuple[str, ...]) -> list[Row]
             regs=res["regs"], spill_stores=res["spill_stores"], spill_loads=res["spill_loads"],
             smem=res["smem"] + dyn, features=sass_features(sass.get(mangled, "")),
             digest=sass_digest(sass.get(mangled, "")),
-            spill_budget=rule.spill_budget, required=rule.required,
+            spill_budget=rule.spill_budget, required=rule.required, forbidden=rule.forbidden,
             error="" if mangled in sass else "no sm_90a SASS found for this function"))
     return rows
 

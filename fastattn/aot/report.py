@@ -27,6 +27,7 @@ SASS_FEATURES = {
     "USETMAXREG": "setmaxnreg",
     "LDL": "local-load",
     "STL": "local-store",
+    "MUFU.TANH": "tanh.approx",  # what --use_fast_math makes of tanhf: relative error ~2^-11
 }
 
 
@@ -42,6 +43,7 @@ class Row:
     features: tuple[str, ...] = ()
     spill_budget: int = 0        # bytes of spill stores + loads allowed
     required: tuple[str, ...] = ()   # features the SASS must hold
+    forbidden: tuple[str, ...] = ()  # features it must not hold
     smem_limit: int = 0              # bytes of shared memory a block may have (0: unchecked)
     error: str = ""              # compile error, empty when it compiled
     digest: str = ""             # hash of the SASS instructions: equal digests, same machine code
@@ -64,6 +66,9 @@ class Row:
         missing = [f for f in self.required if f not in self.features]
         if missing:
             found.append(f"SASS lacks {', '.join(missing)}")
+        held = [f for f in self.forbidden if f in self.features]
+        if held:
+            found.append(f"SASS holds {', '.join(held)}")
         return found
 
     @property
@@ -148,7 +153,8 @@ def sass_digest(sass: str) -> str:
 
 def sass_features(sass: str) -> tuple[str, ...]:
     """The :data:`SASS_FEATURES` whose opcodes occur in ``sass``, sorted."""
-    opcodes = set(re.findall(r"/\*[0-9a-f]{3,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+    opcodes = set(re.findall(r"/\*[0-9a-f]{3,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.\w+)*)",
+                             sass))
     return tuple(sorted({name for op in opcodes for prefix, name in SASS_FEATURES.items()
                          if op == prefix or op.startswith(prefix + ".")}))
 
@@ -174,4 +180,4 @@ def summary(rows: list[Row]) -> str:
     failed = sum(r.status == "FAIL" for r in rows)
     spilled = sum(r.spills > 0 for r in rows if not r.error)
     return (f"{len(rows)} variants: {len(rows) - errors - failed} ok, {errors} compile errors, "
-            f"{failed} over budget or missing instructions; {spilled} spill at all")
+            f"{failed} over budget or with missing or forbidden instructions; {spilled} spill at all")
