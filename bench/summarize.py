@@ -51,10 +51,31 @@ def _label(env: dict) -> str:
     return f"**GPU numbers** ({env.get('device', '?')}, CUDA {env.get('cuda', '?')}, driver {env.get('driver', '?')})"
 
 
+#: A fastattn result is wrong when its largest error is over this and over WRONG_FACTOR times the
+#: largest error of the other providers of its case (their rounding sets the scale).
+WRONG_ERROR, WRONG_FACTOR = 5e-2, 10.0
+
+
+def wrong_results(results: list[Result]) -> set[int]:
+    """ids of the fastattn results whose outputs or gradients are wrong (see WRONG_ERROR)."""
+    cases: dict[tuple, list[Result]] = defaultdict(list)
+    for r in results:
+        cases[(r.op, *_case_key(r))].append(r)
+    wrong = set()
+    for rows in cases.values():
+        others = [r.worst_error for r in rows if not _ours(r.provider) and r.worst_error is not None]
+        bound = max([WRONG_ERROR] + [WRONG_FACTOR * e for e in others])
+        wrong |= {id(r) for r in rows if _ours(r.provider) and r.worst_error is not None
+                  and not r.worst_error <= bound}  # (NaN is wrong too)
+    return wrong
+
+
 def headline(results: list[Result]) -> list[str]:
-    """Geometric-mean speedups per (op, provider) over the cases where both ran."""
+    """Geometric-mean speedups per (op, provider) over the cases where both ran and the result
+    was right (wrong ones are counted, not averaged)."""
     lines = ["| op | provider | cases | x naive (geomean) | x best torch (geomean) |",
              "| --- | --- | ---: | ---: | ---: |"]
+    wrong = wrong_results(results)
     by_op: dict[str, dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
         by_op[r.op][r.provider].append(r)
@@ -62,12 +83,14 @@ def headline(results: list[Result]) -> list[str]:
         for name, rs in providers.items():
             if name == NAIVE:
                 continue
-            ok = [r for r in rs if r.ms]
-            if not ok:
+            ok = [r for r in rs if r.ms and id(r) not in wrong]
+            bad = sum(1 for r in rs if r.ms and id(r) in wrong)
+            if not ok and not bad:
                 continue
             vs_naive = _geomean(r.speedup_vs_naive for r in ok)
             vs_torch = _geomean(r.speedup_vs_torch for r in ok) if not name.startswith(TORCH_PREFIX) else None
-            lines.append(f"| {op} | {'**' + name + '**' if _ours(name) else name} | {len(ok)} | "
+            count = f"{len(ok)}" + (f" (+{bad} wrong, left out)" if bad else "")
+            lines.append(f"| {op} | {'**' + name + '**' if _ours(name) else name} | {count} | "
                          f"{_fmt(vs_naive, '.2f')} | {_fmt(vs_torch, '.2f')} |")
     return lines
 
@@ -80,12 +103,13 @@ def op_table(op: str, results: list[Result]) -> list[str]:
     for r in results:
         cases.setdefault(_case_key(r), {})[r.provider] = r
     notes: dict[str, int] = {}
+    wrong = wrong_results(results)
     head = ["case", "mode", *[f"{p} ms" for p in providers], f"best {unit}", "best fastattn x naive",
             "x torch", "max err fastattn / others"]
     lines = [f"### {op}", "", f"Median milliseconds per provider (fastest in bold); throughput in {unit}.", "",
              "| " + " | ".join(head) + " |", "| " + " | ".join(["---", "---"] + ["---:"] * (len(head) - 2)) + " |"]
     for (shape, dtype, mode), rows in cases.items():
-        timed = [r for r in rows.values() if r.ms]
+        timed = [r for r in rows.values() if r.ms and id(r) not in wrong]
         best = min(timed, key=lambda r: r.ms) if timed else None
         cells = [f"{shape} {dtype}", mode]
         for p in providers:
@@ -95,6 +119,8 @@ def op_table(op: str, results: list[Result]) -> list[str]:
             elif r.error:
                 n = notes.setdefault(f"{p}: {r.error}", len(notes) + 1)
                 cells.append(f"n/a [{n}]")
+            elif id(r) in wrong:
+                cells.append(f"{r.ms:.3g} WRONG")
             else:
                 text = f"{r.ms:.3g}"
                 cells.append(f"**{text}**" if r is best else text)
@@ -172,7 +198,9 @@ def main(argv=None) -> int:
         "do not edit by hand. How results are recorded: [README.md](README.md).", "",
         "Columns: `x naive` = naive time / provider time; `x torch` = the fastest PyTorch peer's time / "
         "provider time; `max err` = the largest absolute error against the float64 NumPy reference "
-        "(forward output, and gradients in backward modes) of the fastattn backends / of the other providers.", "",
+        "(forward output, and gradients in backward modes) of the fastattn backends / of the other providers. "
+        f"WRONG: a fastattn result whose error is over {WRONG_ERROR:g} and {WRONG_FACTOR:g} times the other "
+        "providers' (its time is shown, never counted as fastest or in a geomean).", "",
     ]
     for path in files:
         lines += summarize_file(path)

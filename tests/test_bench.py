@@ -169,6 +169,27 @@ def test_summarize_writes_markdown(tiny_run, tmp_path):
     assert "Could not run:" in text and "torch.sdpa[efficient]" in text
 
 
+def test_summarize_keeps_wrong_results_out_of_the_speedups():
+    """A fastattn result whose error is far over its peers' (the 2026-11-26 H200 run's D128
+    forward) is marked WRONG and left out of the geomeans, however fast it ran."""
+    spec = importlib.util.spec_from_file_location("summarize", os.path.join(ROOT, "bench", "summarize.py"))
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    from fastattn.bench import Result
+
+    def row(provider, ms, err, shape="s"):
+        return Result("attention", shape, "bfloat16", "fwd", provider, ms=ms, speedup_vs_naive=4 / ms,
+                      speedup_vs_torch=None if provider.startswith("torch") else 1 / ms, max_error=err)
+
+    rows = [row("naive", 4.0, 1e-3), row("torch.sdpa", 1.0, 1e-3), row("fastattn-triton", 0.5, 0.25),
+            row("naive", 4.0, 1e-3, "t"), row("torch.sdpa", 1.0, 1e-3, "t"),
+            row("fastattn-triton", 2.0, 2e-3, "t"), row("fastattn-cuda", 2.0, float("nan"), "t")]
+    assert summarize.wrong_results(rows) == {id(rows[2]), id(rows[6])}
+    text = "\n".join(summarize.headline(rows) + summarize.op_table("attention", rows))
+    assert "| attention | **fastattn-triton** | 1 (+1 wrong, left out) | 2.00 | 0.50 |" in text
+    assert "0.5 WRONG" in text and "**1**" in text  # the wrong one is not the fastest
+
+
 def test_info_still_works(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
