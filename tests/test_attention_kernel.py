@@ -476,8 +476,8 @@ _AUTOTUNED = {"fwd": attn._attn_fwd_kernel, "dkdv": attn._attn_bwd_dkdv_kernel,
 @pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, False), (128, True)])
 def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, causal):
     """The GPU suite runs each kernel's first kept config (FASTATTN_AUTOTUNE=0), the autotuner
-    any of them: each config of ``kernel`` in turn, forward and backward against the reference
-    (bf16, the default path). Warp-specialized ones are test_warp_specialized_loop's."""
+    any of them: every config the pruner keeps for ``kernel`` in turn, as the autotuner would run
+    it (maxnreg included), forward and backward against the reference (bf16, default path)."""
     from fastattn.kernels import tuning
     monkeypatch.setattr(tuning, "AUTOTUNE", True)
     fn = _AUTOTUNED[kernel]
@@ -486,24 +486,38 @@ def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, ca
     band = ref.structural_band(L, L, causal)
     args = (_np(q), _np(k), _np(v), None, scale, causal, None, 0.0, None, True)
     (r_out, r_lse), (r_dq, r_dk, r_dv, _) = ref.attention(*args), ref.attention_backward(_np(dout), *args)
-    failures, ran = [], set()
-    for config in [c for c in fn.configs if not c.kwargs.get("WARP_SPECIALIZE", False)]:
-        monkeypatch.setattr(fn, "configs", [config])
-        fn.cache.clear()
+
+    def run():
         out, lse = attention_forward(q, k, v, None, scale, *band, 0.0, None)
-        dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, scale, *band, 0.0, None,
-                                           False)
-        picked = str(fn.best_config)
-        if picked in ran:  # the pruner put a fallback in its place
-            continue
-        ran.add(picked)
-        for name, got, want in (("out", out, r_out), ("lse", lse, r_lse), ("dq", dq, r_dq),
-                                ("dk", dk, r_dk), ("dv", dv, r_dv)):
-            try:
-                _assert_close(name, got, want, TOL[torch.bfloat16] * (2 if name[0] == "d" else 1))
-            except AssertionError as e:
-                failures.append(f"{picked}: {e}")
-    assert ran and not failures, "\n".join(failures)
+        return (out, lse, *attention_backward(dout, q, k, v, out, lse, None, scale, *band, 0.0,
+                                              None, False)[:3])
+
+    prune, kept = fn.prune_configs, []
+
+    def record(kwargs):  # the kept list, and only its first config to run
+        kept[:] = prune(kwargs)
+        return kept[:1]
+
+    failures = []
+    try:
+        monkeypatch.setattr(fn, "prune_configs", record)
+        fn.cache.clear()
+        run()
+        assert kept, "the pruner kept nothing"
+        for config in list(kept):
+            monkeypatch.setattr(fn, "prune_configs", lambda kwargs, config=config: [config])
+            fn.cache.clear()
+            got = run()
+            assert fn.best_config is config
+            for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got,
+                                     (r_out, r_lse, r_dq, r_dk, r_dv)):
+                try:
+                    _assert_close(name, x, want, TOL[torch.bfloat16] * (2 if name[0] == "d" else 1))
+                except AssertionError as e:
+                    failures.append(f"{config}: {e}")
+    finally:
+        fn.cache.clear()  # no forced choice outlives the test
+    assert not failures, "\n".join(failures)
 
 
 def test_autotune_off_keeps_the_first_pruned_config(monkeypatch, tuned):
