@@ -76,3 +76,25 @@ def test_lanes_run_side_by_side_and_every_step_is_recorded(tmp_path):
     # b ran beside a1 and a2: the whole took about 4.5 s, where one after the other takes 6
     assert sum(r["seconds"] for r in records.values()) >= 6 > wall + 0.5
     assert all(r["status"] == "ok" for r in records.values())
+
+
+def test_ncu_table_labels_each_kernel_with_its_case():
+    """bench/profile_attention.py reads ncu's raw CSV: a case's kernels follow its forward kernel,
+    thousands separators and nanoseconds are read, and the top stall reasons are named."""
+    spec = importlib.util.spec_from_file_location("profile_attention",
+                                                  ROOT / "bench" / "profile_attention.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    stall = prof.STALL_METRIC.format
+    raw = ("==PROF== Connected to process\n"
+           f'"ID","Kernel Name","gpu__time_duration.sum","{stall("barrier")}","{stall("wait")}"\n'
+           '"","","nsecond","",""\n'
+           '"0","void attn_fwd_kernel<bf16, FwdCfg<1>>","1,234,567","2.5","0.7"\n'
+           '"1","void attn_bwd_dq_kernel<bf16>","2000000","4.0","1.0"\n'
+           '"2","void attn_fwd_kernel<bf16, FwdCfg<1>>","900000","0.1","3.0"\n')
+    lines = prof.table(raw, ["some__metric"]).splitlines()
+    labels = prof._labels()
+    assert lines[1].startswith(f"{labels[0]} | void attn_fwd_kernel") and "| 1.235 |" in lines[1]
+    assert lines[2].startswith(f"{labels[0]} | void attn_bwd_dq") and "barrier 4.0, wait 1.0" in lines[2]
+    assert lines[3].startswith(f"{labels[1]} |") and lines[3].endswith("wait 3.0, barrier 0.1")
+    assert lines[-1] == "metrics this ncu does not know: some__metric"
