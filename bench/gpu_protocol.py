@@ -68,7 +68,6 @@ class Lanes:
         return max(sum(step.timeout for step in lane) for lane in self.lanes)
 
 
-
 def _pytest(*args, junit=None, workers=None, timeout=None):
     cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--maxfail=25",
            "--durations=10", *args]
@@ -97,7 +96,8 @@ def _smokes(backend):
 _NO_EXT = {"FASTATTN_NO_EXTENSION": "1"}
 # The machine is bare unless it stayed warm since the last call: every call installs the package
 # (editable, no extension: seconds), and calls that use the CUDA kernels build the extension
-# unless an earlier call on this machine did (sm_90a only: a third of the default compile time).
+# unless an earlier call on this machine did (sm_90a only: a third of the default compile time;
+# 118 s on 16 cores, 2026-11-26; 130 s where a call after "check" should find it built).
 _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                             "-e", "."], 30, _NO_EXT)
 # (in place, not a second pip install: that would take the package away from a lane beside it)
@@ -124,16 +124,12 @@ _TRITON_TESTS = [
 _CUDA_TESTS = Step("test-cuda", _pytest("tests/test_cuda_kernels.py", "tests/test_nan.py", "-k",
                                         "cuda", junit="cuda", workers=8, timeout=100), 120,
                    {"CUDA_LAUNCH_BLOCKING": "1"})
-# A long build gets the CPUs while the Triton lane runs (the "check" call), else _BUILD's budget
-# (118 s on 16 cores, 2026-11-26).
-_LONG_BUILD = dataclasses.replace(_BUILD, name="build", timeout=200)
 # compute-sanitizer on the CUDA kernels, a step per tool (10-15 s each on 2026-11-26's H200).
 _SANITIZE = [Step(tool, ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", PY,
                          "bench/sanitize_cuda.py"], 40) for tool in ("memcheck", "racecheck")]
 
 # The calls, in the order a session makes them; each one's steps fit CALL_BUDGET_S. A 15-minute
-# lease makes "check" then "bench"; a 30-minute one goes on with "rest", "sanitize" and "full".
-# ("triton" and "cuda" are check's two halves, one after the other, for rerunning one.)
+# lease makes "check" then "bench"; longer ones go on with "profile", "rest" and "full".
 CALLS: dict[str, list[Step | Lanes]] = {
     # 1. Correctness of both GPU backends in one call: the Triton kernels on the GPU while the
     #    extension builds on the CPUs (then compute-sanitizer runs the CUDA kernels), then the
@@ -141,7 +137,7 @@ CALLS: dict[str, list[Step | Lanes]] = {
     "check": [
         _INSTALL, _VERSIONS,
         Lanes([[_TRITON_INFO, Lanes([[s] for s in _smokes("triton")]), *_TRITON_TESTS],
-               [_LONG_BUILD, *_SANITIZE]]),
+               [_BUILD, *_SANITIZE]]),
         Step("info-cuda", [*_CLI, "info"], 15),
         Lanes([[s] for s in _smokes("cuda")]),
         _CUDA_TESTS,
@@ -187,9 +183,8 @@ CALLS: dict[str, list[Step | Lanes]] = {
 }
 
 
-# check's halves, one after the other: Triton only, no CUDA build (one process per smoke, the
-# descriptor tests one process each, so an asynchronous TMA fault poisons one test, not the rest);
-# then the extension, its smokes and GPU tests with blocking launches.
+# Parts of check, to rerun one: Triton only, no CUDA build; the extension, its smokes and GPU
+# tests with blocking launches; compute-sanitizer.
 CALLS["triton"] = [_INSTALL, _VERSIONS, _TRITON_INFO, *_smokes("triton"), *_TRITON_TESTS]
 CALLS["cuda"] = [_INSTALL, _BUILD, Step("info", [*_CLI, "info"], 15), *_smokes("cuda"),
                  _CUDA_TESTS]
