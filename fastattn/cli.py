@@ -28,7 +28,9 @@ def _info() -> int:
         t = env["triton_attention"]
         path = "tensor descriptors (TMA)" if t["default_path"] == "tma" else "pointer loads"
         print(f"  triton attention: {path}; FASTATTN_TRITON_TMA={t['mode']}, Triton has "
-              f"descriptors: {t['descriptors']}, warp specialization: {t['warp_specialize']}")
+              f"descriptors: {t['descriptors']}, warp specialization: {t['warp_specialize']} "
+              f"(FASTATTN_TRITON_WS={int(t['warp_specialize_on'])}: "
+              f"{'tuned' if t['warp_specialize_on'] else 'not tuned'})")
         for feature, why in t["disabled"].items():
             print(f"    {feature} switched off: {why}")
     print("  backends")

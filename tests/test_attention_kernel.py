@@ -433,6 +433,22 @@ def test_autotune_keys_bucket_lengths():
     assert "M" not in ffn._matmul_kernel.keys and "m_bucket" in ffn._matmul_kernel.keys
 
 
+def test_warp_specialization_is_off_unless_asked_for(monkeypatch):
+    """FASTATTN_TRITON_WS: 0 (the default since the first GPU run) keeps warp-specialized configs
+    out of autotuning, 1 lets them in where the GPU and Triton allow; anything else is refused."""
+    monkeypatch.setattr(descriptors, "disabled", {})
+    monkeypatch.setattr(descriptors, "hopper_or_newer", lambda: True)
+    assert descriptors.WARP_SPECIALIZE == os.environ.get("FASTATTN_TRITON_WS", "0")
+    monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "0")
+    assert not descriptors.warp_specialize_ok() and not descriptors.tma_status()["warp_specialize_on"]
+    monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "1")
+    assert descriptors.warp_specialize_ok() == descriptors.HAS_WARP_SPECIALIZE
+    assert descriptors.tma_status()["warp_specialize_on"]
+    monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "yes")
+    with pytest.raises(ValueError, match="FASTATTN_TRITON_WS"):
+        descriptors.warp_specialize_ok()
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("tile", [(128, 64, 4, 3), (128, 128, 4, 2)], ids=lambda t: "x".join(map(str, t)))
 def test_warp_specialized_loop(monkeypatch, d, tile):
