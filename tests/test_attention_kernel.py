@@ -489,24 +489,29 @@ _AUTOTUNED = {"fwd": attn._attn_fwd_kernel, "dkdv": attn._attn_bwd_dkdv_kernel,
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="GPU configs: the interpreter runs 16x16 tiles only")
 @pytest.mark.parametrize("kernel", list(_AUTOTUNED))
-@pytest.mark.parametrize("d, causal", [(64, False), (64, True), (128, False), (128, True)])
-def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, causal):
+@pytest.mark.parametrize("d, causal, mask_kind, p", [
+    (64, False, None, 0.0), (64, True, None, 0.0), (128, False, None, 0.0), (128, True, None, 0.0),
+    (128, False, "bias", 0.25),  # the mask and dropout prune rules (pointer path)
+], ids=lambda x: str(x))
+def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, causal, mask_kind,
+                                                       p):
     """The GPU suite runs each kernel's first kept config (FASTATTN_AUTOTUNE=0), the autotuner
     any of them: every config the pruner keeps for ``kernel`` in turn, as the autotuner would run
     it (maxnreg included), forward and backward against the reference (bf16, default path)."""
     from fastattn.kernels import tuning
     monkeypatch.setattr(tuning, "AUTOTUNE", True)
     fn = _AUTOTUNED[kernel]
-    L, scale = 300, d ** -0.5
+    L, scale, seed, tol = 300, d ** -0.5, 1234, TOL[torch.bfloat16]
     q, k, v, dout = _inputs(1, 4, 2, L, L, d, d, torch.bfloat16)
+    mask, mask_ref, need_dmask = _make_mask(mask_kind, 1, 4, L, L)
     band = ref.structural_band(L, L, causal)
-    args = (_np(q), _np(k), _np(v), None, scale, causal, None, 0.0, None, True)
+    args = (_np(q), _np(k), _np(v), _mask_np(mask_ref), scale, causal, None, p, seed, True)
     (r_out, r_lse), (r_dq, r_dk, r_dv, _) = ref.attention(*args), ref.attention_backward(_np(dout), *args)
 
     def run():
-        out, lse = attention_forward(q, k, v, None, scale, *band, 0.0, None)
-        return (out, lse, *attention_backward(dout, q, k, v, out, lse, None, scale, *band, 0.0,
-                                              None, False)[:3])
+        out, lse = attention_forward(q, k, v, mask, scale, *band, p, seed)
+        return (out, lse, *attention_backward(dout, q, k, v, out, lse, mask, scale, *band, p,
+                                              seed, need_dmask)[:3])
 
     prune, kept = fn.prune_configs, []
 
@@ -523,14 +528,17 @@ def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, ca
         for config in list(kept):
             monkeypatch.setattr(fn, "prune_configs", lambda kwargs, config=config: [config])
             fn.cache.clear()
-            got = run()
+            out, lse, dq, dk, dv = run()
             assert fn.best_config is config
-            for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got,
-                                     (r_out, r_lse, r_dq, r_dk, r_dv)):
-                try:
-                    _assert_close(name, x, want, TOL[torch.bfloat16] * (2 if name[0] == "d" else 1))
-                except AssertionError as e:
-                    failures.append(f"{config}: {e}")
+            dead = np.isneginf(r_lse)  # fully masked rows (the bias mask has one)
+            try:
+                assert (np.isneginf(_np(lse)) == dead).all(), "lse: -inf exactly where masked"
+                _assert_close("lse", lse[torch.from_numpy(~dead)], r_lse[~dead], tol)
+                for name, x, want in (("out", out, r_out), ("dq", dq, r_dq), ("dk", dk, r_dk),
+                                      ("dv", dv, r_dv)):
+                    _assert_close(name, x, want, tol if name == "out" else 4 * tol)
+            except AssertionError as e:
+                failures.append(f"{config}: {e}")
     finally:
         fn.cache.clear()  # no forced choice outlives the test
     assert not failures, "\n".join(failures)
