@@ -118,6 +118,10 @@ _VERSIONS = Step("versions", ["bash", "-c", "nvidia-smi; nvcc --version; " + PY 
 _TRITON_TESTS = [
     Step("test-kernels", _pytest(*KERNEL_TESTS, junit="kernels", workers=8, timeout=120), 150,
          {**_NO_EXT, "CUDA_LAUNCH_BLOCKING": "1"}),
+    # the NaN rule's Triton cases (careful paths, the FIXUP launch): GPU-only code paths
+    Step("test-nan-triton", _pytest("tests/test_nan.py", "-k", "triton", junit="nan-triton",
+                                    workers=8, timeout=60), 60,
+         {**_NO_EXT, "CUDA_LAUNCH_BLOCKING": "1"}),
 ]
 # (+ the NaN rule's cuda cases: the careful paths run on no other call with blocking launches,
 # and nowhere but a GPU)
