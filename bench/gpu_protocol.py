@@ -10,8 +10,8 @@ returns what it did. The plan, in the order a session runs it::
     python bench/gpu_protocol.py check             # call 1: Triton tests while the extension
                                                    #   builds, then the CUDA kernels' tests
     python bench/gpu_protocol.py bench             # call 2, at once (warm: the build is kept)
-    python bench/gpu_protocol.py profile           # later calls, as time allows: ncu on the
-    python bench/gpu_protocol.py rest              #   attention kernels, the rest of the suite,
+    python bench/gpu_protocol.py rest              # later calls, as time allows: the rest of
+    python bench/gpu_protocol.py profile           #   the suite, ncu on the attention kernels,
     python bench/gpu_protocol.py full              #   the full benchmark grid
     python bench/gpu_protocol.py --dry-run all     # print every step; run nothing (CI runs it)
 
@@ -133,7 +133,8 @@ _SANITIZE = [Step(tool, ["compute-sanitizer", "--tool", tool, "--error-exitcode"
                          "bench/sanitize_cuda.py"], 40) for tool in ("memcheck", "racecheck")]
 
 # The calls, in the order a session makes them; each one's steps fit CALL_BUDGET_S. A 15-minute
-# lease makes "check" then "bench"; longer ones go on with "profile", "rest" and "full".
+# lease makes "check" then "bench" (and "rest" when both ran quickly and the machine is still
+# warm); longer ones go on with "rest", "profile" and "full".
 CALLS: dict[str, list[Step | Lanes]] = {
     # 1. Correctness of both GPU backends in one call: the Triton kernels on the GPU while the
     #    extension builds on the CPUs (then compute-sanitizer runs the CUDA kernels), then the
@@ -161,18 +162,19 @@ CALLS: dict[str, list[Step | Lanes]] = {
                                      "--json", "{out}/bench-attention-d64.json"], 100,
              {"FASTATTN_AUTOTUNE": "0"}),
     ],
-    # 3. Why the attention kernels run as they do: Nsight Compute's counters for one fwd+bwd of
-    #    each backend at L4k, D64/D128, causal or not (bench/profile_attention.py).
-    "profile": [
-        _INSTALL, dataclasses.replace(_BUILD, timeout=130),
-        Step("ncu-attention", [PY, "bench/profile_attention.py", "--out", "{out}"], 240),
-    ],
-    # 4. Everything else in the suite, in parallel.
+    # 3. Everything else in the suite, in parallel (varlen, paged, JVP, the models and Hugging
+    #    Face swaps on the GPU: correctness before the counters).
     "rest": [
         _INSTALL, _BUILD,
         Step("test-rest", _pytest("tests", "--ignore=tests/test_cuda_kernels.py",
                                   *(f"--ignore={t}" for t in KERNEL_TESTS), junit="rest",
                                   workers=8, timeout=150), 210),
+    ],
+    # 4. Why the attention kernels run as they do: Nsight Compute's counters for one fwd+bwd of
+    #    each backend at L4k, D64/D128, causal or not (bench/profile_attention.py).
+    "profile": [
+        _INSTALL, dataclasses.replace(_BUILD, timeout=130),
+        Step("ncu-attention", [PY, "bench/profile_attention.py", "--out", "{out}"], 240),
     ],
     # 5. When a session has time left: the full grid, and the Triton pointer path beside the
     #    descriptor path.
