@@ -19,7 +19,7 @@ import os
 import sys
 from collections import defaultdict
 
-from fastattn.bench import NAIVE, TORCH_PREFIX, Result, load_json
+from fastattn.bench import NAIVE, TORCH_PREFIX, WRONG_ERROR, WRONG_FACTOR, Result, load_json, wrong_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -49,25 +49,6 @@ def _label(env: dict) -> str:
         return (f"**CPU numbers** ({env.get('device', '?')}, {threads} thread{'' if threads == 1 else 's'}) — "
                 "small shapes, float32; they say nothing about GPU performance")
     return f"**GPU numbers** ({env.get('device', '?')}, CUDA {env.get('cuda', '?')}, driver {env.get('driver', '?')})"
-
-
-#: A fastattn result is wrong when its largest error is over this and over WRONG_FACTOR times the
-#: largest error of the other providers of its case (their rounding sets the scale).
-WRONG_ERROR, WRONG_FACTOR = 5e-2, 10.0
-
-
-def wrong_results(results: list[Result]) -> set[int]:
-    """ids of the fastattn results whose outputs or gradients are wrong (see WRONG_ERROR)."""
-    cases: dict[tuple, list[Result]] = defaultdict(list)
-    for r in results:
-        cases[(r.op, *_case_key(r))].append(r)
-    wrong = set()
-    for rows in cases.values():
-        others = [r.worst_error for r in rows if not _ours(r.provider) and r.worst_error is not None]
-        bound = max([WRONG_ERROR] + [WRONG_FACTOR * e for e in others])
-        wrong |= {id(r) for r in rows if _ours(r.provider) and r.worst_error is not None
-                  and not r.worst_error <= bound}  # (NaN is wrong too)
-    return wrong
 
 
 def headline(results: list[Result]) -> list[str]:

@@ -178,7 +178,8 @@ def test_summarize_keeps_wrong_results_out_of_the_speedups():
     from fastattn.bench import Result
 
     def row(provider, ms, err, shape="s"):
-        return Result("attention", shape, "bfloat16", "fwd", provider, ms=ms, speedup_vs_naive=4 / ms,
+        return Result("attention", shape, "bfloat16", "fwd", provider, ms=ms, ms_p20=ms, ms_p80=ms,
+                      speedup_vs_naive=4 / ms,
                       speedup_vs_torch=None if provider.startswith("torch") else 1 / ms, max_error=err)
 
     rows = [row("naive", 4.0, 1e-3), row("torch.sdpa", 1.0, 1e-3), row("fastattn-triton", 0.5, 0.25),
@@ -188,6 +189,9 @@ def test_summarize_keeps_wrong_results_out_of_the_speedups():
     text = "\n".join(summarize.headline(rows) + summarize.op_table("attention", rows))
     assert "| attention | **fastattn-triton** | 1 (+1 wrong, left out) | 2.00 | 0.50 |" in text
     assert "0.5 WRONG" in text and "**1**" in text  # the wrong one is not the fastest
+    from fastattn.bench import table_rows
+    cells = [row[-1] for row in table_rows(rows, ["provider", "max err"])]
+    assert cells[2] == "2.5e-01 WRONG" and cells[6] == "nan WRONG" and "WRONG" not in cells[5]
 
 
 def test_info_still_works(capsys):
