@@ -145,6 +145,8 @@ def summarize_file(path: str) -> list[str]:
         f"- fastattn backends available: {', '.join(env.get('backends') or []) or '?'}",
         f"- measured peaks: {peak_text or '?'}",
     ]
+    if env.get("partial"):
+        lines.append("- **partial**: the run was cut short; these are the cases it finished")
     if env.get("loadavg"):
         lines.append(f"- load average at the end (1, 5, 15 min): {', '.join(str(v) for v in env['loadavg'])} "
                      f"on {env.get('cpus', '?')} CPUs — other work on the machine inflates CPU times")

@@ -4,6 +4,7 @@ side-by-side benchmark) and ``demo`` (train the reference models for about a min
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 
@@ -109,15 +110,22 @@ def _run_bench(args) -> int:
         print(f"fastattn bench: warning: {busy}: CPU timings are slow and noisy; running with "
               f"{torch.get_num_threads()} thread(s) (--threads N to choose)", file=sys.stderr)
     results = []
+    env = bench.environment(device)  # (the peaks measured before the runs, on an idle device)
+    env["command"] = "fastattn bench" + "".join(f" {a}" for a in (args.argv or []))
+
+    def checkpoint(done):  # a run cut short (a GPU lease's step timeout) keeps what it measured
+        bench.write_json(args.json, results + done, {**env, "partial": True})
+
     for op in ops:
         providers, cases = SUITES[op](device, dtype, modes, args.quick, options)
         if args.providers:
             keep = [p.strip() for p in args.providers.split(",") if p.strip()]
             providers = {n: f for n, f in providers.items() if n == bench.NAIVE or any(k in n for k in keep)}
-        results += bench.compare(providers, cases, device=device, budget_s=args.budget)
-    env = bench.environment(device)
-    env["command"] = "fastattn bench" + "".join(f" {a}" for a in (args.argv or []))
+        results += bench.compare(providers, cases, device=device, budget_s=args.budget,
+                                 on_case=checkpoint if args.json else None)
     env["wall_s"] = round(time.perf_counter() - start, 1)
+    if hasattr(os, "getloadavg"):  # at the end, as SUMMARY.md reports it
+        env["loadavg"] = [round(v, 2) for v in os.getloadavg()]
     peaks = bench.measure_peaks(device, dtype)
     title = (
         f"fastattn bench on {env['device']} ({device.type}, {env['threads']} thread{'s' if env['threads'] != 1 else ''}): copy "

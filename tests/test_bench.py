@@ -39,6 +39,7 @@ def test_cli_writes_json_with_environment_and_ratios(tiny_run):
     assert ENV_KEYS <= set(env), ENV_KEYS - set(env)
     assert env["device_type"] == "cpu" and env["torch"] == torch.__version__
     assert env["command"].startswith("fastattn bench --tiny")
+    assert "partial" not in env  # the last write is the whole run
     if platform.libc_ver()[0] == "glibc":
         assert env["cpu_malloc"].startswith("glibc, mmap above"), env["cpu_malloc"]
     rows = data["results"]
@@ -153,6 +154,29 @@ def test_cli_plot_option(tmp_path):
             "--plot", str(out)]
     assert cli.main(argv) == 0
     assert out.stat().st_size > 1000
+
+
+def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    """--json is written after every case, marked partial until the run ends: a GPU lease's step
+    timeout (the first GPU run lost a whole benchmark to one) keeps what was measured."""
+    from fastattn import bench
+
+    real, done = bench.run_case, []
+
+    def run_case(*args, **kwargs):
+        if len(done) == 2:
+            raise KeyboardInterrupt  # the kill, between two cases
+        done.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    path = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "--tiny", "--op", "layer_norm", "--mode", "fwd,fwd_bwd", "--budget", "0.001",
+                  "--device", "cpu", "--threads", "1", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["environment"]["partial"] is True
+    assert len({(r["shape"], r["mode"]) for r in data["results"]}) == 2
 
 
 def test_summarize_writes_markdown(tiny_run, tmp_path):

@@ -475,8 +475,11 @@ def compare(
     device: torch.device | str | None = None,
     progress: bool = True,
     budget_s: float | None = None,
+    on_case: Callable[[list[Result]], None] | None = None,
 ) -> list[Result]:
-    """Time every provider on every case; returns one :class:`Result` per (case, provider)."""
+    """Time every provider on every case; returns one :class:`Result` per (case, provider).
+    ``on_case``, if given, gets the results so far after each case (``fastattn bench --json``
+    writes them, so a run cut short keeps what it measured)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     results: list[Result] = []
     bar = None
@@ -489,6 +492,8 @@ def compare(
             pass
     for case in cases:
         results.extend(run_case(case, providers, device, budget_s))
+        if on_case is not None:
+            on_case(results)
         if bar is not None:
             bar.update()
     if bar is not None:
