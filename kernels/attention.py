@@ -176,6 +176,9 @@ _DKDV_CONFIGS = _configs(
         (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3),
         (64, 64, 4, 3), (16, 64, 4, 3), (32, 32, 8, 2), (32, 32, 4, 2), (32, 32, 4, 1),
         (16, 32, 4, 1), (32, 16, 8, 2),
+        # 64 query rows a step at D128, where the pruner kept only 32 (issue 12's first GPU run:
+        # the backward at 0.33-0.45 of cuDNN there); last, so the first kept config is unchanged
+        (64, 64, 8, 2), (64, 32, 8, 3),
     ],
     (16, 16, 4, 1),
 )
@@ -204,7 +207,8 @@ _FP32_CONFIGS = {
 # a 16-bit one half): what each program keeps across its key/query loop, divided by its
 # threads. The limits are the largest that compile without spills for sm_90 (fastattn.aot
 # checks every kept config): forward 160 (bf16 D64 128x64 w4 = 160 holds, D128 = 256 spills),
-# dK/dV 136 (D64 32x128 w8 = 136 holds; D64 64x128 w8 = 176 and D128 64x64 w8 = 160 spill),
+# dK/dV 136 (D64 32x128 w8 = 136 holds; D64 64x128 w8 = 176 and D128 64x64 w8 = 160 spill, but
+# for the 2-stage descriptor-path one: _measured_clean),
 # dQ 160 (D128 128x64 w8 = 192 spills on the pointer path). The pointer path at head dims > 128
 # also holds 256-wide pointer tensors: there a budget is POINTER_WIDE of that (D256 forward
 # 64x64 w8 = 112, dK/dV 32x32 w8 = 136 and dQ 64x64 w8 = 160 spilled 4-104 B).
@@ -293,6 +297,17 @@ def _spills(kernel, config, args):
     )
 
 
+def _measured_clean(kernel, config, args):
+    """Configs the register model rejects that compile without spills on sm_90 (Triton 3.6,
+    ``fastattn.aot``, 2026-11-26): dK/dV 64x64 w8 with two stages at BLOCK_D 128 on the
+    descriptor path, 16-bit (252-255 registers, 0 B, every D128 case of the gate: plain, causal,
+    window; with three stages it spills 56-76 B, on the pointer path 60-136 B)."""
+    return (kernel == "dkdv" and args["USE_TMA"] and args["BLOCK_D"] == 128
+            and args["BLOCK_DV"] == 128 and args["Q"].element_size() == 2
+            and (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
+                 config.num_stages) == (64, 64, 8, 2))
+
+
 def _plain_copy(config):
     return triton.Config({**config.kwargs, "WARP_SPECIALIZE": False},
                          num_warps=config.num_warps, num_stages=config.num_stages)
@@ -345,8 +360,8 @@ def _prune(configs, named_args, kernel, **kwargs):
     (:data:`_VALUES_PER_THREAD`; less on the pointer path at head dims > 128, and for its
     forward; no spills), tiles within the shared memory of a block, more than one stage unless
     the head dim is > 128.
-    Configs that :func:`_spills` names are dropped; the others get ``maxnreg`` by
-    :func:`_maxnreg`.
+    Configs that :func:`_spills` names are dropped, those that :func:`_measured_clean` names
+    are kept over the register model; the others get ``maxnreg`` by :func:`_maxnreg`.
     Warp-specialized configs (Triton places their registers itself; fastattn.aot checks them)
     stay only on the descriptor path, with 16-bit inputs (float32's IEEE dots are not
     specialized), without a mask tensor or dropout (the plain loop that Triton's automatic warp
@@ -391,7 +406,7 @@ def _prune(configs, named_args, kernel, **kwargs):
              or [_plain_copy(c) for c in configs])  # WS-only lists run as the plain loop
     kept = [c for c in plain
             if c.kwargs["BLOCK_M"] <= rows and fits_shared(c) and (wide or c.num_stages > 1)
-            and fits(c) and not _spills(kernel, c, args)]
+            and (fits(c) or _measured_clean(kernel, c, args)) and not _spills(kernel, c, args)]
     if not _INTERPRET:  # (WS configs: Triton sizes their warp groups' registers itself)
         kept = [_with_maxnreg(c, n) if (n := _maxnreg(
             kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"], args["BLOCK_DV"],

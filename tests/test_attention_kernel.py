@@ -380,6 +380,11 @@ def test_pruner_register_rules_for_sm90(tuned):
     # dK/dV 32x32 w8: ptxas's 128-register tier cannot hold it at BLOCK_D 128
     assert prune("dkdv", [(32, 32, 8, 2), (32, 64, 8, 3)]) == [(32, 64, 8)]
     assert prune("dkdv", [(32, 32, 8, 2), (32, 64, 8, 3)], d=64) == [(32, 32, 8), (32, 64, 8)]
+    # dK/dV 64x64 w8 at BLOCK_D 128: over the model (160 values), but the 2-stage one compiles
+    # clean on the descriptor path (kept); 3 stages, or the pointer path, spill (dropped)
+    assert prune("dkdv", [(64, 64, 8, 2), (32, 64, 8, 3)], USE_TMA=True) == [(64, 64, 8), (32, 64, 8)]
+    assert prune("dkdv", [(64, 64, 8, 3), (32, 64, 8, 3)], USE_TMA=True) == [(32, 64, 8)]
+    assert prune("dkdv", [(64, 64, 8, 2), (32, 64, 8, 3)]) == [(32, 64, 8)]
     # maxnreg: fwd 16x128 w4s3 D128 bf16 fits one block per SM (255 registers keep it); many
     # blocks of a small dQ tile fit (none); a 168 cap only for tiles of <= 64 live values
     assert attn._maxnreg("fwd", 16, 128, 128, 128, 2, 3, 4, live=40) == 255
