@@ -100,10 +100,12 @@ _NO_EXT = {"FASTATTN_NO_EXTENSION": "1"}
 # 118 s on 16 cores, 2026-11-26; 130 s where a call after "check" should find it built).
 _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                             "-e", "."], 30, _NO_EXT)
-# (in place, not a second pip install: that would take the package away from a lane beside it)
+# (in place, not a second pip install: that would take the package away from a lane beside it;
+# 8 jobs: attention.cu alone is most of the build's wall time, and the other 8 cores compile
+# Triton kernels for the tests beside it)
 _BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} setup.py "
                         "-q build_ext --inplace"], 200,
-              {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "16"})
+              {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "8"})
 _CLI = [PY, "-m", "fastattn.cli"]
 _QUICK_BENCH = ["--op", "attention", "--seq", "1024,4096,16384", "--mask", "none", "--budget", "0.1"]
 
