@@ -110,6 +110,7 @@ _CLI = [PY, "-m", "fastattn.cli"]
 _QUICK_BENCH = ["--op", "attention", "--seq", "1024,4096,16384", "--mask", "none", "--budget", "0.1"]
 
 _TRITON_INFO = Step("info", [*_CLI, "info"], 15, _NO_EXT)
+_CUDA_INFO = Step("info-cuda", [*_CLI, "info"], 15)  # (once built: what the extension holds)
 _VERSIONS = Step("versions", ["bash", "-c", "nvidia-smi; nvcc --version; " + PY + " -c 'import sys, "
                  "torch, triton; print(sys.version); print(torch.__version__, "
                  "torch.version.cuda, triton.__version__, torch.cuda.get_device_name())'"
@@ -145,7 +146,7 @@ CALLS: dict[str, list[Step | Lanes]] = {
         _INSTALL, _VERSIONS,
         Lanes([[_TRITON_INFO, Lanes([[s] for s in _smokes("triton")]), *_TRITON_TESTS],
                [_BUILD, *_SANITIZE]]),
-        Step("info-cuda", [*_CLI, "info"], 15),
+        _CUDA_INFO,
         Lanes([[s] for s in _smokes("cuda")]),
         _CUDA_TESTS,
     ],
@@ -194,8 +195,7 @@ CALLS: dict[str, list[Step | Lanes]] = {
 # Parts of check, to rerun one: Triton only, no CUDA build; the extension, its smokes and GPU
 # tests with blocking launches; compute-sanitizer.
 CALLS["triton"] = [_INSTALL, _VERSIONS, _TRITON_INFO, *_smokes("triton"), *_TRITON_TESTS]
-CALLS["cuda"] = [_INSTALL, _BUILD, Step("info", [*_CLI, "info"], 15), *_smokes("cuda"),
-                 _CUDA_TESTS]
+CALLS["cuda"] = [_INSTALL, _BUILD, _CUDA_INFO, *_smokes("cuda"), _CUDA_TESTS]
 CALLS["sanitize"] = [_INSTALL, _BUILD, *_SANITIZE]
 RERUNS = ("triton", "cuda", "sanitize")
 
