@@ -97,7 +97,7 @@ _NO_EXT = {"FASTATTN_NO_EXTENSION": "1"}
 # The machine is bare unless it stayed warm since the last call: every call installs the package
 # (editable, no extension: seconds), and calls that use the CUDA kernels build the extension
 # unless an earlier call on this machine did (sm_90a only: a third of the default compile time;
-# 118 s on 16 cores, 2026-11-26; 130 s where a call after "check" should find it built).
+# 118 s on 16 cores, 2026-11-26).
 _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                             "-e", "."], 30, _NO_EXT)
 # (in place, not a second pip install: that would take the package away from a lane beside it;
@@ -106,6 +106,8 @@ _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolat
 _BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} setup.py "
                         "-q build_ext --inplace"], 200,
               {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "8"})
+# Calls after "check" should find the build there (warm machine); 130 s if they do not.
+_WARM_BUILD = dataclasses.replace(_BUILD, timeout=130)
 _CLI = [PY, "-m", "fastattn.cli"]
 _QUICK_BENCH = ["--op", "attention", "--seq", "1024,4096,16384", "--mask", "none", "--budget", "0.1"]
 
@@ -157,7 +159,7 @@ CALLS: dict[str, list[Step | Lanes]] = {
     #    kernels in Triton's cache; a step cut short keeps the cases it finished (--json is
     #    written after each).
     "bench": [
-        _INSTALL, dataclasses.replace(_BUILD, timeout=130),
+        _INSTALL, _WARM_BUILD,
         Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
                                  "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 60),
         Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--d", "128", "--no-compile",
@@ -176,7 +178,7 @@ CALLS: dict[str, list[Step | Lanes]] = {
     # 4. Why the attention kernels run as they do: Nsight Compute's counters for one fwd+bwd of
     #    each backend at L4k, D64/D128, causal or not (bench/profile_attention.py).
     "profile": [
-        _INSTALL, dataclasses.replace(_BUILD, timeout=130),
+        _INSTALL, _WARM_BUILD,
         Step("ncu-attention", [PY, "bench/profile_attention.py", "--out", "{out}"], 240),
     ],
     # 5. When a session has time left: the full grid, and the Triton pointer path beside the
