@@ -102,11 +102,17 @@ def warp_specialize_ok():
     """Warp-specialized forward configs are autotuned only when WARP_SPECIALIZE is "1", on
     Hopper and newer, with a Triton whose ``tl.range`` takes ``warp_specialize`` and that has
     not failed to build them here."""
-    if str(WARP_SPECIALIZE).strip() not in ("0", "1"):
+    return (ws_asked() and HAS_WARP_SPECIALIZE and "warp_specialize" not in disabled
+            and hopper_or_newer())
+
+
+def ws_asked():
+    """WARP_SPECIALIZE, checked: whether warp-specialized configs are asked for."""
+    mode = str(WARP_SPECIALIZE).strip()
+    if mode not in ("0", "1"):
         raise ValueError(f"FASTATTN_TRITON_WS (kernels.descriptors.WARP_SPECIALIZE) must be 0 or "
                          f"1, got {WARP_SPECIALIZE!r}")
-    return (str(WARP_SPECIALIZE).strip() == "1" and HAS_WARP_SPECIALIZE
-            and "warp_specialize" not in disabled and hopper_or_newer())
+    return mode == "1"
 
 
 def tma_status():
@@ -117,7 +123,7 @@ def tma_status():
         "mode": tma_mode(),
         "descriptors": HAS_DESCRIPTORS,
         "warp_specialize": HAS_WARP_SPECIALIZE,
-        "warp_specialize_on": str(WARP_SPECIALIZE).strip() == "1",
+        "warp_specialize_on": ws_asked(),
         "default_path": "tma" if tma_for("cuda") else "pointer",
         "disabled": dict(disabled),
     }
