@@ -81,7 +81,7 @@ def attention_calls(gen, dev):
         # tiles take the unmasked path (D 128: Q in registers; D 256: Q read from shared memory)
         (1, 2, 1, 200, 260, 128, 128, True, None, None, 0.0),
         (1, 1, 1, 70, 100, 256, 256, False, None, None, 0.1),
-        (1, 2, 2, 150, 150, 64, 64, False, (40, 20), None, 0.0),
+        (1, 2, 1, 150, 150, 64, 64, False, (40, 20), None, 0.0),  # banded GQA: dK/dV sequence
     )
     for B, H, Hkv, Lq, Lk, D, Dv, causal, window, kind, p in cases:
         q = torch.randn(B, H, Lq, D, generator=gen).half().to(dev).requires_grad_()

@@ -271,6 +271,9 @@ ATT_CASES = {
     "long_d256": (1, 2, 1, 130, 200, 256, 256, False, None, None, 0.0),
     "long_d80_bool": (1, 2, 2, 200, 170, 80, 80, True, None, "full_bool", 0.0),
     "long_dropout_d128": (1, 2, 2, 140, 260, 128, 128, False, None, None, 0.2),
+    # dK/dV walks the GQA group's query blocks as one double-buffered sequence; with a band, a key
+    # block's first query block is not 0 and the heads' blocks follow one another in it.
+    "long_window_gqa_d128": (1, 4, 2, 333, 333, 128, 128, False, (70, 10), None, 0.0),
 }
 
 

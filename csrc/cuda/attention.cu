@@ -57,8 +57,8 @@
 //   * dQ: one CTA per (BM queries, b, h), looping over the band's key tiles; dQ += dS K with
 //     shared float32 accumulators. When need_dmask, it writes dS (float32) for every visited
 //     (i, j) of dmask; dmask is zero-initialised, which covers the tiles outside the band.
-//   Backward tiles come by cp.async: the dQ kernel double-buffers K / V like the forward; the
-//   dK/dV kernel loads each Q / dO block and waits for it (one stage).
+//   Backward tiles come by cp.async, double-buffered: the dQ kernel's K / V tiles like the
+//   forward's, the dK/dV kernel's Q / dO blocks (with their lse / delta) one block ahead.
 // Shared memory per CTA is computed from the template parameters (Cfg::SMEM), static_asserted to
 // fit the sm_80 opt-in limit of 163 KiB and carried in each kernel's template arguments (so the
 // compile gate, fastattn/aot/cuda.py, reads it from the symbol). GPUs with less (sm_86 / sm_89:
@@ -93,6 +93,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 
 #include "fastattn/common.h"
 #include "fastattn/cuda_layout.cuh"
@@ -388,8 +389,13 @@ struct BwdKVCfg {
   static constexpr bool ACC_IN_REGS = DP <= 128;
   static constexpr int K_ELEMS = BN * DP, Q_ELEMS = BM * DP;
   static constexpr int ACC_ELEMS = ACC_IN_REGS ? 0 : BN * AccTile<DP>::LD;
-  static constexpr int SMEM = (2 * K_ELEMS + 2 * Q_ELEMS) * 2 + (2 * ACC_ELEMS + 2 * BM) * 4;
+  // Q / dO blocks (and their lse / delta) double-buffered: block it + 1 in flight while block it
+  // is computed, as K / V tiles are in the forward.
+  static constexpr int STAGES = 2;
+  static constexpr int SMEM =
+      (2 * K_ELEMS + STAGES * 2 * Q_ELEMS) * 2 + (2 * ACC_ELEMS + STAGES * 2 * BM) * 4;
   static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
+  static_assert(BM <= NTHREADS, "one thread per query row fetches its lse and delta");
   static_assert(SMEM <= kSm80SmemOptin, "dK/dV tile does not fit in sm_80 shared memory");
 };
 
@@ -931,12 +937,10 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   using A = AccTile<DP>;
   uint16_t* sK = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sV = sK + Cfg::K_ELEMS;
-  uint16_t* sQ = sV + Cfg::K_ELEMS;
-  uint16_t* sdO = sQ + Cfg::Q_ELEMS;
-  float* sdK = reinterpret_cast<float*>(sdO + Cfg::Q_ELEMS);
+  uint16_t* sQdO = sV + Cfg::K_ELEMS;  // stage s: Q at sQdO + 2 s Q_ELEMS, dO right after it
+  float* sdK = reinterpret_cast<float*>(sQdO + Cfg::STAGES * 2 * Cfg::Q_ELEMS);
   float* sdV = sdK + Cfg::ACC_ELEMS;
-  float* sLse = sdV + Cfg::ACC_ELEMS;  // BM: lse * log2(e) of the current query block
-  float* sDelta = sLse + BM;           // BM
+  float* sStats = sdV + Cfg::ACC_ELEMS;  // stage s: lse * log2(e) at sStats + 2 s BM, delta after
 
   // Decoded here rather than by grid_block() / warp_rows(): with those, ptxas gives the DP = 256
   // variant 2 more registers (146, against 144; fastattn/aot/cuda.py).
@@ -957,34 +961,70 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   constexpr int NACC = Cfg::ACC_IN_REGS ? DP / 8 : 1;
   float acc_dk[NACC][4] = {}, acc_dv[NACC][4] = {};  // ACC_IN_REGS: C fragments, keys x dims
 
+  // The query blocks this CTA visits, one sequence for the whole GQA group: block `it` is
+  // queries [m_first + (it % per_head) BM, + BM) of query head hk * group + it / per_head.
   int i_begin, i_end;
   query_range(p, n0, BN, i_begin, i_end);
-  if (i_begin < i_end) {
-    for (int gi = 0; gi < p.group; ++gi) {
+  const int m_first = (i_begin / BM) * BM;
+  const int per_head = i_begin < i_end ? (i_end - m_first + BM - 1) / BM : 0;
+  const int num_blocks = per_head * p.group;
+  // Block it's Q / dO copies into stage it % 2 (issued, not committed), and its lse / delta
+  // (thread r < BM: row r) into registers; stash_stats moves those into the stage. The loads
+  // are issued a whole block's compute before their use, so their latency is hidden.
+  float lse_next = -INFINITY, delta_next = 0.f;
+  auto fetch_block = [&](int it) {
+    const int h = hk * p.group + it / per_head, m0 = m_first + (it % per_head) * BM;
+    uint16_t* s = sQdO + (it & 1) * 2 * Cfg::Q_ELEMS;
+    load_tile_async<BM, DP, NT>(s, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
+    load_tile_async<BM, DP, NT>(s + Cfg::Q_ELEMS, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0,
+                                p.Lq, p.Dv, p.vec_do);
+    const int i = m0 + static_cast<int>(threadIdx.x);
+    if (threadIdx.x < BM && i < p.Lq) {
+      const int64_t row = (int64_t{b} * p.H + h) * p.Lq + i;
+      lse_next = p.lse_in[row] * kLog2e;
+      delta_next = p.delta[row];
+    } else {
+      lse_next = -INFINITY;
+      delta_next = 0.f;
+    }
+  };
+  auto stash_stats = [&](int it) {
+    if (threadIdx.x < BM) {
+      float* st = sStats + (it & 1) * 2 * BM;
+      st[threadIdx.x] = lse_next;
+      st[BM + threadIdx.x] = delta_next;
+    }
+  };
+  // Groups: K / V (committed above), then block 0 (empty when there is none).
+  if (num_blocks > 0) {
+    fetch_block(0);
+    stash_stats(0);  // ordered before its readers by iteration 0's first barrier
+  }
+  cp_async_commit();
+  for (int it = 0; it < num_blocks; ++it) {
+    // Prefetch block it + 1 into the other stage: its last reader, block it - 1, passed the
+    // barrier that ends iteration it - 1.
+    if (it + 1 < num_blocks) fetch_block(it + 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the prefetch: block it (and K / V) landed here ...
+    __syncthreads();     // ... and in every thread, and its stats are stashed
+    {
+      const int gi = it / per_head, m0 = m_first + (it % per_head) * BM;
       const int h = hk * p.group + gi;
-      const int64_t bh = int64_t{b} * p.H + h;
-      const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
-      const uint16_t* do_base = p.dout + b * p.do_sb + h * p.do_sh;
       const int64_t mask_base = b * p.m_sb + h * p.m_sh;
       const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
-      for (int m0 = (i_begin / BM) * BM; m0 < i_end; m0 += BM) {
-        __syncthreads();  // previous block's sQ / sdO / sLse / sDelta no longer read
-        load_tile_async<BM, DP, NT>(sQ, q_base, p.q_sl, m0, p.Lq, p.D, p.vec_q);
-        load_tile_async<BM, DP, NT>(sdO, do_base, p.do_sl, m0, p.Lq, p.Dv, p.vec_do);
-        cp_async_commit();
-        for (int r = threadIdx.x; r < BM; r += NT) {
-          const int i = m0 + r;
-          sLse[r] = i < p.Lq ? p.lse_in[bh * p.Lq + i] * kLog2e : -INFINITY;
-          sDelta[r] = i < p.Lq ? p.delta[bh * p.Lq + i] : 0.f;
-        }
-        cp_async_wait<0>();  // this block's Q / dO (and, the first time, K / V) landed
-        __syncthreads();
+      const uint16_t* sQ = sQdO + (it & 1) * 2 * Cfg::Q_ELEMS;
+      const uint16_t* sdO = sQ + Cfg::Q_ELEMS;
+      const float* sLse = sStats + (it & 1) * 2 * BM;
+      const float* sDelta = sLse + BM;
 
-        // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
-        float st[BM / 8][4] = {};
-        float dpt[BM / 8][4] = {};
-        mma_two_xt<M16, DP, BM>(st, sK, sQ, dpt, sV, sdO, wrow, lane);
-        // st <- P^T * Z (operand of dV), dpt <- dS^T (operand of dK).
+      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
+      float st[BM / 8][4] = {};
+      float dpt[BM / 8][4] = {};
+      mma_two_xt<M16, DP, BM>(st, sK, sQ, dpt, sV, sdO, wrow, lane);
+      // st <- P^T * Z (operand of dV), dpt <- dS^T (operand of dK). Per element tests only on
+      // tiles the warp does not see whole (bounds, band edge, user mask), as in the forward.
+      auto to_grads = [&](auto whole) {
 #pragma unroll
         for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
@@ -994,9 +1034,11 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
             const int i = m0 + qc;
             const float lse2 = sLse[qc];
             float pz = 0.f, ds = 0.f;
-            if (visible(p, i, j) && lse2 != -INFINITY) {
+            if (decltype(whole)::value || (visible(p, i, j) && lse2 != -INFINITY)) {
               const int64_t mask_off = mask_base + int64_t{i} * p.m_sl + int64_t{j} * p.m_sk;
-              const float pr = exp2f(score_log2(p, st[nt][e], mask_off) - lse2);
+              const float s2 = decltype(whole)::value ? st[nt][e] * p.scale_log2
+                                                      : score_log2(p, st[nt][e], mask_off);
+              const float pr = exp2f(s2 - lse2);
               const float z = dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
               pz = pr * z;
               ds = pr * (dpt[nt][e] * z - sDelta[qc]);
@@ -1005,45 +1047,52 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
             dpt[nt][e] = ds;
           }
         }
-        // A fragments (rows = keys, k = queries) of P^T Z and dS^T.
-        uint32_t a_p[BM / 16][4], a_ds[BM / 16][4];
+      };
+      if (tile_whole(p, m0, BM, n0 + wrow, 16)) {  // warp-uniform
+        to_grads(std::true_type{});
+      } else {
+        to_grads(std::false_type{});
+      }
+      // A fragments (rows = keys, k = queries) of P^T Z and dS^T.
+      uint32_t a_p[BM / 16][4], a_ds[BM / 16][4];
 #pragma unroll
-        for (int ks = 0; ks < BM / 16; ++ks) {
-          acc_to_a<M16>(a_p[ks], st, ks);
-          acc_to_a<M16>(a_ds[ks], dpt, ks);
-        }
-        // dV += (P Z)^T dO and dK += dS^T Q, 16 columns at a time, into this lane's own
-        // accumulator elements (rows kr[0] / kr[1], columns dp * 16 + nt * 8 + 2t, +1).
+      for (int ks = 0; ks < BM / 16; ++ks) {
+        acc_to_a<M16>(a_p[ks], st, ks);
+        acc_to_a<M16>(a_ds[ks], dpt, ks);
+      }
+      // dV += (P Z)^T dO and dK += dS^T Q, 16 columns at a time, into this lane's own
+      // accumulator elements (rows kr[0] / kr[1], columns dp * 16 + nt * 8 + 2t, +1).
 #pragma unroll
-        for (int dp = 0; dp < DP / 16; ++dp) {
-          if constexpr (Cfg::ACC_IN_REGS) {
-#pragma unroll
-            for (int ks = 0; ks < BM / 16; ++ks) {
-              mma_block<M16, DP, false>(acc_dv[2 * dp], acc_dv[2 * dp + 1], a_p[ks], sdO, ks * 16,
-                                        dp * 16, lane);
-              mma_block<M16, DP, false>(acc_dk[2 * dp], acc_dk[2 * dp + 1], a_ds[ks], sQ, ks * 16,
-                                        dp * 16, lane);
-            }
-            continue;
-          }
-          float cv[2][4] = {}, ck[2][4] = {};
+      for (int dp = 0; dp < DP / 16; ++dp) {
+        if constexpr (Cfg::ACC_IN_REGS) {
 #pragma unroll
           for (int ks = 0; ks < BM / 16; ++ks) {
-            mma_block<M16, DP, false>(cv[0], cv[1], a_p[ks], sdO, ks * 16, dp * 16, lane);
-            mma_block<M16, DP, false>(ck[0], ck[1], a_ds[ks], sQ, ks * 16, dp * 16, lane);
+            mma_block<M16, DP, false>(acc_dv[2 * dp], acc_dv[2 * dp + 1], a_p[ks], sdO, ks * 16,
+                                      dp * 16, lane);
+            mma_block<M16, DP, false>(acc_dk[2 * dp], acc_dk[2 * dp + 1], a_ds[ks], sQ, ks * 16,
+                                      dp * 16, lane);
           }
+          continue;
+        }
+        float cv[2][4] = {}, ck[2][4] = {};
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const int c = dp * 16 + nt * 8 + 2 * t;
+        for (int ks = 0; ks < BM / 16; ++ks) {
+          mma_block<M16, DP, false>(cv[0], cv[1], a_p[ks], sdO, ks * 16, dp * 16, lane);
+          mma_block<M16, DP, false>(ck[0], ck[1], a_ds[ks], sQ, ks * 16, dp * 16, lane);
+        }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              acc_add2<DP>(sdV, kr[r], c, cv[nt][2 * r], cv[nt][2 * r + 1]);
-              acc_add2<DP>(sdK, kr[r], c, ck[nt][2 * r], ck[nt][2 * r + 1]);
-            }
+        for (int nt = 0; nt < 2; ++nt) {
+          const int c = dp * 16 + nt * 8 + 2 * t;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            acc_add2<DP>(sdV, kr[r], c, cv[nt][2 * r], cv[nt][2 * r + 1]);
+            acc_add2<DP>(sdK, kr[r], c, ck[nt][2 * r], ck[nt][2 * r + 1]);
           }
         }
       }
     }
+    if (it + 1 < num_blocks) stash_stats(it + 1);  // that stage's last reader was block it - 1
+    __syncthreads();  // block it's stage is no longer read: iteration it + 1 may refill it
   }
   cp_async_wait<0>();  // K / V landed even when no query block was visited
   uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
@@ -1140,22 +1189,33 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
     float s[BN / 8][4] = {};
     float dp[BN / 8][4] = {};
     mma_two_xt<M16, DP, BN>(s, sQ, sK, dp, sdO, sV, wrow, lane);
-    // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile.
+    // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile. Per
+    // element tests only on tiles the warp does not see whole, as in the forward.
+    auto to_ds = [&](auto whole) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const int i = i_row[r];
-        const int j = n0 + nt * 8 + 2 * t + (e & 1);
-        float ds = 0.f;
-        if (visible(p, i, j) && lse2[r] != -INFINITY) {
-          const float pr = exp2f(score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk) - lse2[r]);
-          ds = pr * (dp[nt][e] * dropout_scale(p, stream, rng_row[r], j) - delta[r]);
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const int i = i_row[r];
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          float ds = 0.f;
+          if (decltype(whole)::value || (visible(p, i, j) && lse2[r] != -INFINITY)) {
+            const float s2 = decltype(whole)::value
+                                 ? s[nt][e] * p.scale_log2
+                                 : score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk);
+            const float pr = exp2f(s2 - lse2[r]);
+            ds = pr * (dp[nt][e] * dropout_scale(p, stream, rng_row[r], j) - delta[r]);
+          }
+          if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
+          s[nt][e] = ds;
         }
-        if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
-        s[nt][e] = ds;
       }
+    };
+    if (tile_whole(p, m0 + wrow, 16, n0, BN)) {  // warp-uniform
+      to_ds(std::true_type{});
+    } else {
+      to_ds(std::false_type{});
     }
     // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
     uint32_t a_ds[BN / 16][4];
