@@ -11,12 +11,13 @@
 // Work split: at::parallel_for over rows. The forward reads a row through its dtype in every
 // pass (16-bit values converted on the fly: a bfloat16 row of 8192 stays in L1, where a float
 // copy did not); the backward converts float16 / bfloat16 rows into per-task buffers (float32 /
-// float64 rows are used in place). Rows are processed with plain `#pragma omp simd` loops
-// (several independent partial sums per reduction). The per-task row loops are compiled three
-// times, for AVX-512, AVX2 and baseline x86-64, and picked at run time (fastattn/cpu_simd.h:
-// FASTATTN_TARGET_*, cpu_isa(); it also says why not at::vec::Vectorized). The statistics take two passes over the row (the mean, then the
-// squared deviations from it), both relative to the row's first value, so rows with a large
-// offset (1e4 + noise) keep their precision.
+// float64 rows are used in place). Row reductions run on cpu::Vec accumulators of the target's
+// width (RowSum below); the element-wise passes are plain `#pragma omp simd` loops. The per-task
+// row loops are compiled three times, for AVX-512, AVX2 and baseline x86-64, and picked at run
+// time (fastattn/cpu_simd.h: FASTATTN_TARGET_*, cpu_isa(); it also says why not
+// at::vec::Vectorized). The statistics take two passes over the row (the mean, then the squared
+// deviations from it), both relative to the row's first value, so rows with a large offset
+// (1e4 + noise) keep their precision.
 // dweight / dbias: the rows are cut into at most cpu::kMaxRowBlocks fixed blocks, each block sums
 // its rows into its own partial row (in the accumulation type), and the partial rows are added in
 // block order: deterministic, no atomics, and independent of the number of threads
@@ -43,32 +44,49 @@ namespace {
 
 using cpu::acc_t;
 
-constexpr int64_t kLanes = 32;  // partial sums per row reduction: 2 AVX-512 / 4 AVX2 add chains
-
 // ---------------------------------------------------------------------------------------------
-// Row helpers, always inlined into the per-ISA row loops below.
+// Row helpers, always inlined into the per-ISA row loops below. W: the ISA's vector width in A.
+//
+// Row reductions run on four W-lane accumulators (four independent add chains), the last n % W
+// values in a scalar, and end in one fixed order of adds. An earlier version kept 32 scalar partial
+// sums and folded them in a loop the compiler did not unroll: at N = 256 the two folds of a row
+// cost more than its passes (AVX2, one thread, 256 x 256: 1.28x torch's time).
+
+template <typename A, int W>
+struct RowSum {
+  using V = cpu::Vec<A, W>;
+  V acc[4];
+  A tail = A(0);
+  FASTATTN_INLINE RowSum() {
+    const V zero(A(0));
+    for (auto& v : acc) v = zero;
+  }
+  FASTATTN_INLINE A total() const { return ((acc[0] + acc[1]) + (acc[2] + acc[3])).sum() + tail; }
+};
 
 // sum over i < n of v or v^2 (kSquares), v = (h[i] - c) - d, h read through its type T (16-bit
 // values converted on the fly: the row stays half the size in L1).
-template <bool kSquares, typename A, typename T>
+template <bool kSquares, int W, typename A, typename T>
 FASTATTN_INLINE A row_moment(const T* __restrict h, int64_t n, A c, A d) {
-  A acc[kLanes] = {};
+  using V = cpu::Vec<A, W>;
+  const V cv(c), dv(d);
+  RowSum<A, W> s;
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int64_t k = 0; k < kLanes; ++k) {
-      const A v = (cpu::to_acc<A>(h[i + k]) - c) - d;
-      acc[k] += kSquares ? v * v : v;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    for (int u = 0; u < 4; ++u) {
+      const V v = (cpu::load_as<V>(h + i + u * W) - cv) - dv;
+      s.acc[u] = kSquares ? fma(v, v, s.acc[u]) : s.acc[u] + v;
     }
   }
-  for (int64_t k = 0; i + k < n; ++k) {
-    const A v = (cpu::to_acc<A>(h[i + k]) - c) - d;
-    acc[k] += kSquares ? v * v : v;
+  for (; i + W <= n; i += W) {
+    const V v = (cpu::load_as<V>(h + i) - cv) - dv;
+    s.acc[0] = kSquares ? fma(v, v, s.acc[0]) : s.acc[0] + v;
   }
-  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-    for (int64_t k = 0; k < width; ++k) acc[k] += acc[k + width];
+  for (; i < n; ++i) {
+    const A v = (cpu::to_acc<A>(h[i]) - c) - d;
+    s.tail += kSquares ? v * v : v;
   }
-  return acc[0];
+  return s.total();
 }
 
 // Row `row` of type T as n values of A: the row itself when T is A, else converted into buf.
@@ -118,7 +136,7 @@ struct FwdArgs {
   bool rms;
 };
 
-template <typename T>
+template <int W, typename T>
 FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
   using A = acc_t<T>;
   const int64_t n = a.n;
@@ -141,8 +159,8 @@ FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) 
     // LayerNorm statistics relative to c = h[0] (exact differences for nearby values):
     // delta = E[h - c], var = E[((h - c) - delta)^2], mean = c + delta.
     const A c = a.rms ? A(0) : cpu::to_acc<A>(h[0]);
-    const A delta = a.rms ? A(0) : row_moment<false>(h, n, c, A(0)) * inv_n;
-    const A var = row_moment<true>(h, n, c, delta) * inv_n;
+    const A delta = a.rms ? A(0) : row_moment<false, W>(h, n, c, A(0)) * inv_n;
+    const A var = row_moment<true, W>(h, n, c, delta) * inv_n;
     const A rs = A(1) / std::sqrt(var + a.eps);
     if (!a.rms) a.mean[r] = static_cast<float>(c + delta);
     a.rstd[r] = static_cast<float>(rs);
@@ -156,13 +174,13 @@ FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) 
   }
 }
 
-// The row kernels for the ISA trampoline (cpu::isa_dispatch): written without Vec, they are
-// auto-vectorized for each target (the width is unused).
+// The row kernels for the ISA trampoline (cpu::isa_dispatch): the reductions on Vec of the
+// target's width, the element-wise loops auto-vectorized for it.
 template <typename T>
 struct FwdKernel {
   template <int kBytes>
   FASTATTN_INLINE static void run(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
-    fwd_rows_impl(a, r0, r1);
+    fwd_rows_impl<kBytes / int(sizeof(acc_t<T>))>(a, r0, r1);
   }
 };
 
@@ -209,7 +227,7 @@ FASTATTN_INLINE void dx_row(A* __restrict o, const A* __restrict dy, const A* __
 }
 
 // Rows [r0, r1); pw / pb: the partial dweight / dbias row these rows add to, or null.
-template <typename T>
+template <int W, typename T>
 FASTATTN_INLINE void bwd_rows_impl(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw,
                                    acc_t<T>* pb) {
   using A = acc_t<T>;
@@ -223,29 +241,27 @@ FASTATTN_INLINE void bwd_rows_impl(const BwdArgs<T>& a, int64_t r0, int64_t r1, 
     const A mu = a.rms ? A(0) : A(a.mean[r]);
     const A rs = A(a.rstd[r]);
     // Pass 1: E[g] and E[g * xhat], g = dy * w, xhat = (h - mu) * rs.
-    A acc_g[kLanes] = {}, acc_gx[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-      for (int64_t k = 0; k < kLanes; ++k) {
-        const A g = dy[i + k] * w[i + k];
-        acc_g[k] += g;
-        acc_gx[k] += g * ((h[i + k] - mu) * rs);
+    RowSum<A, W> sg, sgx;
+    {
+      using V = cpu::Vec<A, W>;
+      const V muv(mu), rsv(rs);
+      int64_t i = 0;
+      for (; i + 2 * W <= n; i += 2 * W) {
+        for (int u = 0; u < 2; ++u) {
+          const int64_t j = i + u * W;
+          const V g = V::load(dy + j) * V::load(w + j);
+          sg.acc[u] = sg.acc[u] + g;
+          sgx.acc[u] = fma(g, (V::load(h + j) - muv) * rsv, sgx.acc[u]);
+        }
+      }
+      for (; i < n; ++i) {
+        const A g = dy[i] * w[i];
+        sg.tail += g;
+        sgx.tail += g * ((h[i] - mu) * rs);
       }
     }
-    for (int64_t k = 0; i + k < n; ++k) {
-      const A g = dy[i + k] * w[i + k];
-      acc_g[k] += g;
-      acc_gx[k] += g * ((h[i + k] - mu) * rs);
-    }
-    for (int64_t width = kLanes / 2; width > 0; width /= 2) {
-      for (int64_t k = 0; k < width; ++k) {
-        acc_g[k] += acc_g[k + width];
-        acc_gx[k] += acc_gx[k + width];
-      }
-    }
-    const A cg = a.rms ? A(0) : acc_g[0] * inv_n;
-    const A cx = acc_gx[0] * inv_n;
+    const A cg = a.rms ? A(0) : sg.total() * inv_n;
+    const A cx = sgx.total() * inv_n;
     // Pass 2: dx = rstd * (g - E[g] - xhat * E[g * xhat]) + dh, and in the same loop (one more
     // read of the row, from L1) the partial dweight / dbias rows.
     T* dxr = a.dx + r * n;
@@ -269,7 +285,7 @@ template <typename T>
 struct BwdKernel {
   template <int kBytes>
   FASTATTN_INLINE static void run(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw, acc_t<T>* pb) {
-    bwd_rows_impl(a, r0, r1, pw, pb);
+    bwd_rows_impl<kBytes / int(sizeof(acc_t<T>))>(a, r0, r1, pw, pb);
   }
 };
 
