@@ -8,16 +8,15 @@
 //   RMSNorm:   dx = rstd * (g - xhat * E[g * xhat])           (+ dh)
 //   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy
 //
-// Work split: at::parallel_for over rows. The forward reads a row through its dtype in every
-// pass (16-bit values converted on the fly: a bfloat16 row of 8192 stays in L1, where a float
-// copy did not); the backward converts float16 / bfloat16 rows into per-task buffers (float32 /
-// float64 rows are used in place). Row reductions run on cpu::Vec accumulators of the target's
-// width (RowSum below); the element-wise passes are plain `#pragma omp simd` loops. The per-task
-// row loops are compiled three times, for AVX-512, AVX2 and baseline x86-64, and picked at run
-// time (fastattn/cpu_simd.h: FASTATTN_TARGET_*, cpu_isa(); it also says why not
-// at::vec::Vectorized). The statistics take two passes over the row (the mean, then the squared
-// deviations from it), both relative to the row's first value, so rows with a large offset
-// (1e4 + noise) keep their precision.
+// Work split: at::parallel_for over rows. Both directions read a row through its dtype in every
+// pass (16-bit values converted on the fly: a bfloat16 row of 8192 stays in L1, where float
+// copies did not; the backward's copies of h, dy and dx held it at 0.7x torch's time at
+// 256 x 8192, AVX2). Every pass runs on cpu::Vec of the target's width (reductions: RowSum
+// below), the last n % W values in scalars. The per-task row loops are compiled three times, for
+// AVX-512, AVX2 and baseline x86-64, and picked at run time (fastattn/cpu_simd.h:
+// FASTATTN_TARGET_*, cpu_isa(); it also says why not at::vec::Vectorized). The statistics take
+// two passes over the row (the mean, then the squared deviations from it), both relative to the
+// row's first value, so rows with a large offset (1e4 + noise) keep their precision.
 // dweight / dbias: the rows are cut into at most cpu::kMaxRowBlocks fixed blocks, each block sums
 // its rows into its own partial row (in the accumulation type), and the partial rows are added in
 // block order: deterministic, no atomics, and independent of the number of threads
@@ -33,7 +32,6 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
-#include <vector>
 
 #include "fastattn/cpu_reduce.h"
 #include "fastattn/cpu_simd.h"
@@ -89,33 +87,6 @@ FASTATTN_INLINE A row_moment(const T* __restrict h, int64_t n, A c, A d) {
   return s.total();
 }
 
-// Row `row` of type T as n values of A: the row itself when T is A, else converted into buf.
-template <typename T, typename A>
-FASTATTN_INLINE const A* read_row(const T* row, A* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, A>) {
-    return row;
-  } else {
-    cpu::convert_to_acc(row, buf, n);
-    return buf;
-  }
-}
-
-// Where a row of type T is computed in A: the row itself when T is A, else buf (then written
-// with write_row).
-template <typename T, typename A>
-FASTATTN_INLINE A* out_row(T* row, A* buf) {
-  if constexpr (std::is_same_v<T, A>) {
-    return row;
-  } else {
-    return buf;
-  }
-}
-
-template <typename T, typename A>
-FASTATTN_INLINE void write_row(const A* buf, T* row, int64_t n) {
-  if constexpr (!std::is_same_v<T, A>) cpu::convert_from_acc(buf, row, n);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Forward rows.
 
@@ -139,6 +110,7 @@ struct FwdArgs {
 template <int W, typename T>
 FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) {
   using A = acc_t<T>;
+  using V = cpu::Vec<A, W>;
   const int64_t n = a.n;
   const A inv_n = A(1) / A(n);
   for (int64_t r = r0; r < r1; ++r) {
@@ -148,10 +120,11 @@ FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) 
       const T* __restrict xr = a.x + r * a.x_stride;
       const T* __restrict rr = a.residual + r * a.r_stride;
       T* __restrict hr = a.h + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        hr[i] = cpu::from_acc<T>(cpu::to_acc<A>(xr[i]) + cpu::to_acc<A>(rr[i]));
+      int64_t i = 0;
+      for (; i + W <= n; i += W) {
+        cpu::store_as(cpu::load_as<V>(xr + i) + cpu::load_as<V>(rr + i), hr + i);
       }
+      for (; i < n; ++i) hr[i] = cpu::from_acc<T>(cpu::to_acc<A>(xr[i]) + cpu::to_acc<A>(rr[i]));
       h = hr;
     } else {
       h = a.x + r * a.x_stride;
@@ -167,8 +140,13 @@ FASTATTN_INLINE void fwd_rows_impl(const FwdArgs<T>& a, int64_t r0, int64_t r1) 
     T* __restrict yr = a.y + r * n;
     const A* __restrict w = a.w;
     const A* __restrict b = a.b;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
+    const V cv(c), dv(delta), rsv(rs);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const V xh = ((cpu::load_as<V>(h + i) - cv) - dv) * rsv;
+      cpu::store_as(fma(xh, V::load(w + i), V::load(b + i)), yr + i);
+    }
+    for (; i < n; ++i) {
       yr[i] = cpu::from_acc<T>(((cpu::to_acc<A>(h[i]) - c) - delta) * rs * w[i] + b[i]);
     }
   }
@@ -207,21 +185,35 @@ struct BwdArgs {
   bool rms;
 };
 
-// o = rstd * (dy w - cg - xhat cx) (+ dh), xhat = (h - mu) rstd; with kParts also
-// pw += dy xhat and pb += dy.
-template <bool kDh, bool kParts, typename A>
-FASTATTN_INLINE void dx_row(A* __restrict o, const A* __restrict dy, const A* __restrict h,
-                            const A* __restrict w, const A* __restrict dh, A mu, A rs, A cg, A cx,
+// Row dx = rstd * (dy w - cg - xhat cx) (+ dh), xhat = (h - mu) rstd; with kParts also
+// pw += dy xhat and pb += dy. Rows of T, converted on the fly.
+template <int W, bool kDh, bool kParts, typename T, typename A>
+FASTATTN_INLINE void dx_row(T* __restrict dx, const T* __restrict dy, const T* __restrict h,
+                            const A* __restrict w, const T* __restrict dh, A mu, A rs, A cg, A cx,
                             A* __restrict pw, A* __restrict pb, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const A xh = (h[j] - mu) * rs;
-    A d = (dy[j] * w[j] - cg - xh * cx) * rs;
-    if constexpr (kDh) d += dh[j];
-    o[j] = d;
+  using V = cpu::Vec<A, W>;
+  const V muv(mu), rsv(rs), cgv(cg), cxv(cx);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const V dyv = cpu::load_as<V>(dy + j);
+    const V xh = (cpu::load_as<V>(h + j) - muv) * rsv;
+    V d = (dyv * V::load(w + j) - cgv - xh * cxv) * rsv;
+    if constexpr (kDh) d = d + cpu::load_as<V>(dh + j);
+    cpu::store_as(d, dx + j);
     if constexpr (kParts) {
-      pw[j] += dy[j] * xh;
-      pb[j] += dy[j];
+      fma(dyv, xh, V::load(pw + j)).store(pw + j);
+      (V::load(pb + j) + dyv).store(pb + j);
+    }
+  }
+  for (; j < n; ++j) {
+    const A dyj = cpu::to_acc<A>(dy[j]);
+    const A xh = (cpu::to_acc<A>(h[j]) - mu) * rs;
+    A d = (dyj * w[j] - cg - xh * cx) * rs;
+    if constexpr (kDh) d += cpu::to_acc<A>(dh[j]);
+    dx[j] = cpu::from_acc<T>(d);
+    if constexpr (kParts) {
+      pw[j] += dyj * xh;
+      pb[j] += dyj;
     }
   }
 }
@@ -231,53 +223,49 @@ template <int W, typename T>
 FASTATTN_INLINE void bwd_rows_impl(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw,
                                    acc_t<T>* pb) {
   using A = acc_t<T>;
+  using V = cpu::Vec<A, W>;
   const int64_t n = a.n;
   const A inv_n = A(1) / A(n);
   const A* __restrict w = a.w;
-  std::vector<A> hbuf(n), dybuf(n), dhbuf(a.dh != nullptr ? n : 0), obuf(n);
   for (int64_t r = r0; r < r1; ++r) {
-    const A* __restrict h = read_row(a.h + r * a.h_stride, hbuf.data(), n);
-    const A* __restrict dy = read_row(a.dy + r * a.dy_stride, dybuf.data(), n);
+    const T* __restrict h = a.h + r * a.h_stride;
+    const T* __restrict dy = a.dy + r * a.dy_stride;
     const A mu = a.rms ? A(0) : A(a.mean[r]);
     const A rs = A(a.rstd[r]);
     // Pass 1: E[g] and E[g * xhat], g = dy * w, xhat = (h - mu) * rs.
     RowSum<A, W> sg, sgx;
     {
-      using V = cpu::Vec<A, W>;
       const V muv(mu), rsv(rs);
       int64_t i = 0;
       for (; i + 2 * W <= n; i += 2 * W) {
         for (int u = 0; u < 2; ++u) {
           const int64_t j = i + u * W;
-          const V g = V::load(dy + j) * V::load(w + j);
+          const V g = cpu::load_as<V>(dy + j) * V::load(w + j);
           sg.acc[u] = sg.acc[u] + g;
-          sgx.acc[u] = fma(g, (V::load(h + j) - muv) * rsv, sgx.acc[u]);
+          sgx.acc[u] = fma(g, (cpu::load_as<V>(h + j) - muv) * rsv, sgx.acc[u]);
         }
       }
       for (; i < n; ++i) {
-        const A g = dy[i] * w[i];
+        const A g = cpu::to_acc<A>(dy[i]) * w[i];
         sg.tail += g;
-        sgx.tail += g * ((h[i] - mu) * rs);
+        sgx.tail += g * ((cpu::to_acc<A>(h[i]) - mu) * rs);
       }
     }
     const A cg = a.rms ? A(0) : sg.total() * inv_n;
     const A cx = sgx.total() * inv_n;
     // Pass 2: dx = rstd * (g - E[g] - xhat * E[g * xhat]) + dh, and in the same loop (one more
     // read of the row, from L1) the partial dweight / dbias rows.
-    T* dxr = a.dx + r * n;
-    A* __restrict o = out_row(dxr, obuf.data());
-    const A* __restrict dh =
-        a.dh != nullptr ? read_row(a.dh + r * a.dh_stride, dhbuf.data(), n) : nullptr;
+    T* dx = a.dx + r * n;
+    const T* __restrict dh = a.dh != nullptr ? a.dh + r * a.dh_stride : nullptr;
     if (pw != nullptr && dh != nullptr) {
-      dx_row<true, true>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
+      dx_row<W, true, true>(dx, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
     } else if (pw != nullptr) {
-      dx_row<false, true>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
+      dx_row<W, false, true>(dx, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
     } else if (dh != nullptr) {
-      dx_row<true, false>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
+      dx_row<W, true, false>(dx, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
     } else {
-      dx_row<false, false>(o, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
+      dx_row<W, false, false>(dx, dy, h, w, dh, mu, rs, cg, cx, pw, pb, n);
     }
-    write_row(o, dxr, n);
   }
 }
 
