@@ -60,7 +60,7 @@ def _ids(case):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_attention_matches_reference(backend, device, dtype, case):
     B, H, Hkv, Lq, Lk, D, Dv, kind, causal, window = case

@@ -44,7 +44,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape,kind,scale,causal", CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES])
 def test_softmax_matches_reference(backend, device, dtype, shape, kind, scale, causal):
     g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])

@@ -427,8 +427,75 @@ FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
 }
 #endif
 
+// W float16 values <-> a float vector with integer and float vector ops (any ISA, any width),
+// bit for bit what c10::Half's per-element conversions give (checked for every float16 value and
+// every rounding boundary by tests/cpu_simd_test.cpp): widening is exact (a NaN keeps its payload
+// and is made quiet); narrowing rounds to nearest even, overflows to inf and makes a NaN 0x7E00
+// with its sign (c10's software conversion does; F16C would keep the payload). Flush-to-zero and denormals-are-zero do not change the results. (F16C's
+// vcvtph2ps would be one instruction, but GCC inlines an intrinsic only into a function whose
+// own target has it, and these are called from generic helpers.) Per element, float16 ran at
+// 0.1x torch's layer_norm (AVX2, 2 threads).
+#if FASTATTN_VECTOR_EXTENSIONS
+template <int W>
+FASTATTN_INLINE Vec<float, W> load_half(const c10::Half* p) {
+  using U32 = typename RawVec<uint32_t, W>::type;
+  using F = typename RawVec<float, W>::type;
+  // h << 16 in each lane: what a bfloat16 load of the same bits gives.
+  const Vec<float, W> hi = load_bf16<W>(reinterpret_cast<const c10::BFloat16*>(p));
+  U32 x;
+  std::memcpy(&x, &hi.v, sizeof(x));
+  const U32 sign = x & 0x80000000u;
+  const U32 em = (x >> 3) & 0x0FFFE000u;  // exponent and mantissa, (h & 0x7FFF) << 13
+  const U32 e = em & 0x0F800000u;
+  const U32 normal = em + (112u << 23);    // rebias the exponent: 15 -> 127
+  // inf; NaN with its payload, made quiet (as c10 does).
+  const U32 nan_quiet = (em & 0x007FE000u) != U32{} ? U32{} + 0x00400000u : U32{};
+  const U32 special = em | 0x7F800000u | nan_quiet;
+  // Subnormal m * 2^-24: (1 + m 2^-10) 2^-14 - 2^-14, two normal floats, exact.
+  F sub;
+  const U32 shifted = em + (113u << 23);
+  std::memcpy(&sub, &shifted, sizeof(sub));
+  sub = sub - (F{} + 0x1p-14f);
+  U32 sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub_bits));
+  const U32 r = (e == U32{} ? sub_bits : (e == (U32{} + 0x0F800000u) ? special : normal)) | sign;
+  Vec<float, W> out;
+  std::memcpy(&out.v, &r, sizeof(r));
+  return out;
+}
+
+template <int W>
+FASTATTN_INLINE void store_half(Vec<float, W> x, c10::Half* p) {
+  using U16 = typename RawVec<uint16_t, W>::type;
+  using U32 = typename RawVec<uint32_t, W>::type;
+  using F = typename RawVec<float, W>::type;
+  U32 u;
+  std::memcpy(&u, &x.v, sizeof(u));
+  const U32 sign = u & 0x80000000u;
+  u ^= sign;
+  // |x| >= 2^16 (and inf, NaN): inf, or the quiet NaN 0x7E00.
+  const U32 big = u > (U32{} + 0x7F800000u) ? U32{} + 0x7E00u : U32{} + 0x7C00u;
+  // |x| < 2^-14: adding 0.5 rounds |x| to a multiple of 2^-24 (the float16 subnormal step), to
+  // nearest even; the mantissa bits of the sum are then the float16 bits.
+  F f;
+  std::memcpy(&f, &u, sizeof(f));
+  f = f + 0.5f;
+  U32 small;
+  std::memcpy(&small, &f, sizeof(small));
+  small = small - (126u << 23);
+  // Normal: rebias, then drop 13 bits rounding to nearest even (a carry may reach inf).
+  const U32 odd = (u >> 13) & 1u;
+  const U32 normal = (u + (0u - (112u << 23)) + 0xFFFu + odd) >> 13;
+  const U32 r = (u >= (U32{} + (143u << 23)) ? big : (u < (U32{} + (113u << 23)) ? small : normal)) |
+                (sign >> 16);
+  const U16 h = __builtin_convertvector(r, U16);
+  std::memcpy(p, &h, sizeof(h));
+}
+#endif
+
+
 // W values of T at p as a vector of A = acc_t<T>, and back (rounded once): in place for
-// float / double, integer vector ops for bfloat16, per element for float16.
+// float / double, vector ops for bfloat16 and float16 (above).
 template <class V, class T>
 FASTATTN_INLINE V load_as(const T* p) {
   using A = typename V::value_type;
@@ -436,6 +503,10 @@ FASTATTN_INLINE V load_as(const T* p) {
     return V::load(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
     return load_bf16<V::size>(p);
+#if FASTATTN_VECTOR_EXTENSIONS
+  } else if constexpr (std::is_same_v<T, c10::Half> && std::is_same_v<A, float>) {
+    return load_half<V::size>(p);
+#endif
   } else {
     A tmp[V::size];
     for (int i = 0; i < V::size; ++i) tmp[i] = to_acc<A>(p[i]);
@@ -450,6 +521,10 @@ FASTATTN_INLINE void store_as(V v, T* p) {
     v.store(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
     store_bf16<V::size>(v, p);
+#if FASTATTN_VECTOR_EXTENSIONS
+  } else if constexpr (std::is_same_v<T, c10::Half> && std::is_same_v<A, float>) {
+    store_half<V::size>(v, p);
+#endif
   } else {
     A tmp[V::size];
     v.store(tmp);

@@ -1,0 +1,101 @@
+// Host check of cpu_simd.h's vector float16 / bfloat16 conversions against c10's per-element ones
+// (tests/test_cpu_simd.py compiles and runs it): load_half for every float16 bit pattern, store_half
+// for every float32 high half with low halves that cover each rounding boundary (ties, both sides
+// of them, all dropped bits set), at widths 4, 8 and 16; load_bf16 / store_bf16 likewise. A NaN
+// only has to stay a NaN of its sign (c10's payload depends on whether it was compiled for F16C).
+// Exits non-zero and prints the first mismatches on failure.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "fastattn/cpu_simd.h"
+
+using fastattn::cpu::Vec;
+
+static int failures = 0;
+
+static uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+static float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static void fail(const char* what, uint32_t in, uint32_t got, uint32_t want) {
+  if (++failures <= 10) std::printf("%s: input 0x%08x gives 0x%08x, want 0x%08x\n", what, in, got, want);
+}
+
+template <int W>
+void check_widening() {
+  std::vector<uint16_t> in(65536);
+  for (uint32_t i = 0; i < 65536; ++i) in[i] = static_cast<uint16_t>(i);
+  for (uint32_t i = 0; i < 65536; i += W) {
+    float out[W];
+    fastattn::cpu::load_half<W>(reinterpret_cast<const c10::Half*>(in.data() + i)).store(out);
+    float outb[W];
+    fastattn::cpu::load_bf16<W>(reinterpret_cast<const c10::BFloat16*>(in.data() + i)).store(outb);
+    for (int k = 0; k < W; ++k) {
+      c10::Half h;
+      h.x = in[i + k];
+      const float want = static_cast<float>(h);
+      const bool same = std::isnan(want) ? (std::isnan(out[k]) && bits(out[k]) == bits(want))
+                                         : bits(out[k]) == bits(want);
+      if (!same) fail("load_half", in[i + k], bits(out[k]), bits(want));
+      c10::BFloat16 b;
+      b.x = in[i + k];
+      if (bits(outb[k]) != bits(static_cast<float>(b))) fail("load_bf16", in[i + k], bits(outb[k]), bits(static_cast<float>(b)));
+    }
+  }
+}
+
+template <int W>
+void check_narrowing() {
+  // Low halves: every combination of bits 12..15 (the float16 rounding bit 13, the tie bit 12 and
+  // their neighbours) with the bits below all clear, one set, the top one set or all set.
+  std::vector<uint32_t> lows;
+  for (uint32_t top = 0; top < 16; ++top) {
+    for (uint32_t below : {0x000u, 0x001u, 0x800u, 0xFFFu}) lows.push_back((top << 12) | below);
+  }
+  std::vector<float> in;
+  in.reserve(65536 * lows.size());
+  for (uint32_t hi = 0; hi < 65536; ++hi) {
+    for (uint32_t lo : lows) in.push_back(from_bits((hi << 16) | lo));
+  }
+  std::vector<uint16_t> out(in.size()), outb(in.size());
+  for (size_t i = 0; i + W <= in.size(); i += W) {
+    const Vec<float, W> v = Vec<float, W>::load(in.data() + i);
+    fastattn::cpu::store_half<W>(v, reinterpret_cast<c10::Half*>(out.data() + i));
+    fastattn::cpu::store_bf16<W>(v, reinterpret_cast<c10::BFloat16*>(outb.data() + i));
+  }
+  for (size_t i = 0; i < in.size(); ++i) {
+    const uint16_t want = c10::Half(in[i]).x;
+    const uint16_t wantb = c10::BFloat16(in[i]).x;
+    // A NaN must stay a NaN of its sign; its payload is c10's choice (0x7E00 in software,
+    // kept by F16C when the compiler targets it).
+    const bool same = std::isnan(in[i])
+                          ? (out[i] & 0x7C00) == 0x7C00 && (out[i] & 0x03FF) && (out[i] >> 15) == (want >> 15)
+                          : out[i] == want;
+    if (!same) fail("store_half", bits(in[i]), out[i], want);
+    if (!std::isnan(in[i]) && outb[i] != wantb) fail("store_bf16", bits(in[i]), outb[i], wantb);
+  }
+}
+
+int main() {
+  check_widening<4>();
+  check_widening<8>();
+  check_widening<16>();
+  check_narrowing<4>();
+  check_narrowing<8>();
+  check_narrowing<16>();
+  if (failures) {
+    std::printf("%d mismatches\n", failures);
+    return 1;
+  }
+  std::printf("ok\n");
+  return 0;
+}
