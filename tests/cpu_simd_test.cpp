@@ -1,7 +1,7 @@
 // Host check of cpu_simd.h's vector float16 / bfloat16 conversions against c10's per-element ones
 // (tests/test_cpu_simd.py compiles and runs it): load_half for every float16 bit pattern, store_half
 // for every float32 high half with low halves that cover each rounding boundary (ties, both sides
-// of them, all dropped bits set), at widths 4, 8 and 16; load_bf16 / store_bf16 likewise. A NaN
+// of them, all dropped bits set), at widths 4, 8 and 16; load_bf16 / store_bf16 / load_bf16_pairs likewise. A NaN
 // only has to stay a NaN of its sign (c10's payload depends on whether it was compiled for F16C).
 // Exits non-zero and prints the first mismatches on failure.
 #include <cmath>
@@ -49,6 +49,18 @@ void check_widening() {
       c10::BFloat16 b;
       b.x = in[i + k];
       if (bits(outb[k]) != bits(static_cast<float>(b))) fail("load_bf16", in[i + k], bits(outb[k]), bits(static_cast<float>(b)));
+    }
+  }
+  // load_bf16_pairs: 2W values, even positions in one vector and odd ones in the other.
+  for (uint32_t i = 0; i + 2 * W <= 65536; i += 2 * W) {
+    Vec<float, W> even, odd;
+    fastattn::cpu::load_bf16_pairs<W>(reinterpret_cast<const c10::BFloat16*>(in.data() + i), even, odd);
+    for (int k = 0; k < W; ++k) {
+      c10::BFloat16 be, bo;
+      be.x = in[i + 2 * k];
+      bo.x = in[i + 2 * k + 1];
+      if (bits(even[k]) != bits(static_cast<float>(be))) fail("load_bf16_pairs even", be.x, bits(even[k]), bits(static_cast<float>(be)));
+      if (bits(odd[k]) != bits(static_cast<float>(bo))) fail("load_bf16_pairs odd", bo.x, bits(odd[k]), bits(static_cast<float>(bo)));
     }
   }
 }

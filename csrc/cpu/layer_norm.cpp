@@ -70,6 +70,18 @@ FASTATTN_INLINE A row_moment(const T* __restrict h, int64_t n, A c, A d) {
   const V cv(c), dv(d);
   RowSum<A, W> s;
   int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
+    // The sum does not care about order: 2W values a load, split even / odd without a shuffle.
+    for (; i + 4 * W <= n; i += 4 * W) {
+      for (int u = 0; u < 2; ++u) {
+        V even, odd;
+        cpu::load_bf16_pairs<W>(h + i + 2 * u * W, even, odd);
+        const V ve = (even - cv) - dv, vo = (odd - cv) - dv;
+        s.acc[2 * u] = kSquares ? fma(ve, ve, s.acc[2 * u]) : s.acc[2 * u] + ve;
+        s.acc[2 * u + 1] = kSquares ? fma(vo, vo, s.acc[2 * u + 1]) : s.acc[2 * u + 1] + vo;
+      }
+    }
+  }
   for (; i + 4 * W <= n; i += 4 * W) {
     for (int u = 0; u < 4; ++u) {
       const V v = (cpu::load_as<V>(h + i + u * W) - cv) - dv;

@@ -403,6 +403,20 @@ FASTATTN_INLINE Vec<float, W> load_bf16(const c10::BFloat16* p) {
   return r;
 }
 
+// 2W bfloat16 values as two float vectors, the values at even positions and those at odd ones:
+// for order-free reductions (sums), no shuffle at all (one shift, one and), where load_bf16 needs
+// two per W values on AVX2.
+template <int W>
+FASTATTN_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec<float, W>& even,
+                                     Vec<float, W>& odd) {
+  using U32 = typename RawVec<uint32_t, W>::type;
+  U32 u;
+  std::memcpy(&u, p, sizeof(u));
+  const U32 e = u << 16, o = u & 0xFFFF0000u;
+  std::memcpy(&even.v, &e, sizeof(e));
+  std::memcpy(&odd.v, &o, sizeof(o));
+}
+
 template <int W>
 FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
   using U16 = typename RawVec<uint16_t, W>::type;
@@ -421,9 +435,31 @@ FASTATTN_INLINE Vec<float, W> load_bf16(const c10::BFloat16* p) {
   for (int i = 0; i < W; ++i) r.v[i] = to_acc<float>(p[i]);
   return r;
 }
+// 2W bfloat16 values as two float vectors, the values at even positions and those at odd ones:
+// for order-free reductions (sums), no shuffle at all (one shift, one and), where load_bf16 needs
+// two per W values on AVX2.
+template <int W>
+FASTATTN_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec<float, W>& even,
+                                     Vec<float, W>& odd) {
+  using U32 = typename RawVec<uint32_t, W>::type;
+  U32 u;
+  std::memcpy(&u, p, sizeof(u));
+  const U32 e = u << 16, o = u & 0xFFFF0000u;
+  std::memcpy(&even.v, &e, sizeof(e));
+  std::memcpy(&odd.v, &o, sizeof(o));
+}
+
 template <int W>
 FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
   for (int i = 0; i < W; ++i) p[i] = from_acc<c10::BFloat16>(x.v[i]);
+}
+template <int W>
+FASTATTN_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec<float, W>& even,
+                                     Vec<float, W>& odd) {
+  for (int i = 0; i < W; ++i) {
+    even.v[i] = to_acc<float>(p[2 * i]);
+    odd.v[i] = to_acc<float>(p[2 * i + 1]);
+  }
 }
 #endif
 
