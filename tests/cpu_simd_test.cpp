@@ -1,8 +1,9 @@
 // Host check of cpu_simd.h's vector float16 / bfloat16 conversions against c10's per-element ones
 // (tests/test_cpu_simd.py compiles and runs it): load_half for every float16 bit pattern, store_half
 // for every float32 high half with low halves that cover each rounding boundary (ties, both sides
-// of them, all dropped bits set), at widths 4, 8 and 16; load_bf16 / store_bf16 / load_bf16_pairs likewise. A NaN
-// only has to stay a NaN of its sign (c10's payload depends on whether it was compiled for F16C).
+// of them, all dropped bits set), at widths 4, 8 and 16; load_bf16 / store_bf16 and their even /
+// odd pair forms likewise. A NaN only has to stay a NaN of its sign (c10's payload depends on
+// whether it was compiled for F16C).
 // Exits non-zero and prints the first mismatches on failure.
 #include <cmath>
 #include <cstdint>
@@ -83,6 +84,22 @@ void check_narrowing() {
     const Vec<float, W> v = Vec<float, W>::load(in.data() + i);
     fastattn::cpu::store_half<W>(v, reinterpret_cast<c10::Half*>(out.data() + i));
     fastattn::cpu::store_bf16<W>(v, reinterpret_cast<c10::BFloat16*>(outb.data() + i));
+  }
+  // store_bf16_pairs: 2W values given as the even-position and odd-position floats.
+  std::vector<uint16_t> outp(in.size());
+  for (size_t i = 0; i + 2 * W <= in.size(); i += 2 * W) {
+    float even[W], odd[W];
+    for (int k = 0; k < W; ++k) {
+      even[k] = in[i + 2 * k];
+      odd[k] = in[i + 2 * k + 1];
+    }
+    fastattn::cpu::store_bf16_pairs<W>(Vec<float, W>::load(even), Vec<float, W>::load(odd),
+                                       reinterpret_cast<c10::BFloat16*>(outp.data() + i));
+  }
+  for (size_t i = 0; i < in.size(); ++i) {
+    const uint16_t wantp = c10::BFloat16(in[i]).x;
+    if (!std::isnan(in[i]) && outp[i] != wantp) fail("store_bf16_pairs", bits(in[i]), outp[i], wantp);
+    if (std::isnan(in[i]) && !((outp[i] & 0x7F80) == 0x7F80 && (outp[i] & 0x7F))) fail("store_bf16_pairs NaN", bits(in[i]), outp[i], wantp);
   }
   for (size_t i = 0; i < in.size(); ++i) {
     const uint16_t want = c10::Half(in[i]).x;

@@ -417,6 +417,22 @@ FASTATTN_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec<float, W>& even
   std::memcpy(&odd.v, &o, sizeof(o));
 }
 
+// The inverse: 2W bfloat16 values from the even-position and odd-position floats, rounded as
+// store_bf16 rounds, interleaved by an or (no shuffle). An elementwise pass that loads pairs and
+// stores pairs keeps every value in its place without widening or narrowing in order.
+template <int W>
+FASTATTN_INLINE void store_bf16_pairs(Vec<float, W> even, Vec<float, W> odd, c10::BFloat16* p) {
+  using U32 = typename RawVec<uint32_t, W>::type;
+  auto round = [](Vec<float, W> x) {
+    U32 u;
+    std::memcpy(&u, &x.v, sizeof(u));
+    const U32 r = u + 0x7FFFu + ((u >> 16) & 1u);
+    return x.v != x.v ? U32{} + 0x7FC00000u : r;  // rounded value in the high half
+  };
+  const U32 out = (round(even) >> 16) | (round(odd) & 0xFFFF0000u);
+  std::memcpy(p, &out, sizeof(out));
+}
+
 template <int W>
 FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
   using U16 = typename RawVec<uint16_t, W>::type;
@@ -459,6 +475,13 @@ FASTATTN_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec<float, W>& even
   for (int i = 0; i < W; ++i) {
     even.v[i] = to_acc<float>(p[2 * i]);
     odd.v[i] = to_acc<float>(p[2 * i + 1]);
+  }
+}
+template <int W>
+FASTATTN_INLINE void store_bf16_pairs(Vec<float, W> even, Vec<float, W> odd, c10::BFloat16* p) {
+  for (int i = 0; i < W; ++i) {
+    p[2 * i] = from_acc<c10::BFloat16>(even.v[i]);
+    p[2 * i + 1] = from_acc<c10::BFloat16>(odd.v[i]);
   }
 }
 #endif
