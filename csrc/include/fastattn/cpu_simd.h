@@ -601,15 +601,6 @@ FASTATTN_INLINE void convert_to_acc(const T* src, A* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_acc<A>(src[i]);
 }
 
-template <class T, class A>
-FASTATTN_INLINE void convert_from_acc(const A* src, T* dst, int64_t n) {
-  int64_t i = 0;
-  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
-    for (; i + 16 <= n; i += 16) store_bf16<16>(Vec<float, 16>::load(src + i), dst + i);
-  }
-  for (; i < n; ++i) dst[i] = from_acc<T>(src[i]);
-}
-
 // The accumulation type: double for double, float otherwise.
 template <class T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
