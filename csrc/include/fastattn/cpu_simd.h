@@ -451,20 +451,6 @@ FASTATTN_INLINE Vec<float, W> load_bf16(const c10::BFloat16* p) {
   for (int i = 0; i < W; ++i) r.v[i] = to_acc<float>(p[i]);
   return r;
 }
-// 2W bfloat16 values as two float vectors, the values at even positions and those at odd ones:
-// for order-free reductions (sums), no shuffle at all (one shift, one and), where load_bf16 needs
-// two per W values on AVX2.
-template <int W>
-FASTATTN_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec<float, W>& even,
-                                     Vec<float, W>& odd) {
-  using U32 = typename RawVec<uint32_t, W>::type;
-  U32 u;
-  std::memcpy(&u, p, sizeof(u));
-  const U32 e = u << 16, o = u & 0xFFFF0000u;
-  std::memcpy(&even.v, &e, sizeof(e));
-  std::memcpy(&odd.v, &o, sizeof(o));
-}
-
 template <int W>
 FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
   for (int i = 0; i < W; ++i) p[i] = from_acc<c10::BFloat16>(x.v[i]);
@@ -490,10 +476,10 @@ FASTATTN_INLINE void store_bf16_pairs(Vec<float, W> even, Vec<float, W> odd, c10
 // bit for bit what c10::Half's per-element conversions give (checked for every float16 value and
 // every rounding boundary by tests/cpu_simd_test.cpp): widening is exact (a NaN keeps its payload
 // and is made quiet); narrowing rounds to nearest even, overflows to inf and makes a NaN 0x7E00
-// with its sign (c10's software conversion does; F16C would keep the payload). Flush-to-zero and denormals-are-zero do not change the results. (F16C's
-// vcvtph2ps would be one instruction, but GCC inlines an intrinsic only into a function whose
-// own target has it, and these are called from generic helpers.) Per element, float16 ran at
-// 0.1x torch's layer_norm (AVX2, 2 threads).
+// with its sign (c10's software conversion does; F16C would keep the payload). Flush-to-zero and
+// denormals-are-zero do not change the results. (F16C's vcvtph2ps would be one instruction, but
+// GCC inlines an intrinsic only into a function whose own target has it, and these are called
+// from generic helpers.) Per element, float16 ran at 0.1x torch's layer_norm (AVX2, 2 threads).
 #if FASTATTN_VECTOR_EXTENSIONS
 template <int W>
 FASTATTN_INLINE Vec<float, W> load_half(const c10::Half* p) {
@@ -551,7 +537,6 @@ FASTATTN_INLINE void store_half(Vec<float, W> x, c10::Half* p) {
   std::memcpy(p, &h, sizeof(h));
 }
 #endif
-
 
 // W values of T at p as a vector of A = acc_t<T>, and back (rounded once): in place for
 // float / double, vector ops for bfloat16 and float16 (above).
