@@ -51,12 +51,13 @@ def _label(env: dict) -> str:
     return f"**GPU numbers** ({env.get('device', '?')}, CUDA {env.get('cuda', '?')}, driver {env.get('driver', '?')})"
 
 
-def headline(results: list[Result]) -> list[str]:
+def headline(results: list[Result], wrong: set[int] | None = None) -> list[str]:
     """Geometric-mean speedups per (op, provider) over the cases where both ran and the result
-    was right (wrong ones are counted, not averaged)."""
+    was right (``wrong``: their :func:`wrong_results`, when the caller has it; counted, not
+    averaged)."""
+    wrong = wrong_results(results) if wrong is None else wrong
     lines = ["| op | provider | cases | x naive (geomean) | x best torch (geomean) |",
              "| --- | --- | ---: | ---: | ---: |"]
-    wrong = wrong_results(results)
     by_op: dict[str, dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
         by_op[r.op][r.provider].append(r)
@@ -76,7 +77,7 @@ def headline(results: list[Result]) -> list[str]:
     return lines
 
 
-def op_table(op: str, results: list[Result]) -> list[str]:
+def op_table(op: str, results: list[Result], wrong: set[int] | None = None) -> list[str]:
     providers = list(dict.fromkeys(r.provider for r in results))
     flops = any(r.tflops is not None for r in results)
     unit = "TFLOP/s" if flops else "GB/s"
@@ -84,7 +85,7 @@ def op_table(op: str, results: list[Result]) -> list[str]:
     for r in results:
         cases.setdefault(_case_key(r), {})[r.provider] = r
     notes: dict[str, int] = {}
-    wrong = wrong_results(results)
+    wrong = wrong_results(results) if wrong is None else wrong
     head = ["case", "mode", *[f"{p} ms" for p in providers], f"best {unit}", "best fastattn x naive",
             "x torch", "max err fastattn / others"]
     lines = [f"### {op}", "", f"Median milliseconds per provider (fastest in bold); throughput in {unit}.", "",
@@ -153,9 +154,10 @@ def summarize_file(path: str) -> list[str]:
     if not any(_ours(r.provider) and r.ms for r in results):
         lines.append("- no compiled fastattn backend ran here (only `naive`): the speedups below compare "
                      "PyTorch's kernels with the naive baseline")
-    lines += ["", "### Headlines", "", *headline(results), ""]
+    wrong = wrong_results(results)  # (per case: one pass serves every table of the file)
+    lines += ["", "### Headlines", "", *headline(results, wrong), ""]
     for op in dict.fromkeys(r.op for r in results):
-        lines += op_table(op, [r for r in results if r.op == op])
+        lines += op_table(op, [r for r in results if r.op == op], wrong)
     return lines
 
 

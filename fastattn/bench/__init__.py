@@ -645,9 +645,12 @@ def columns(results: Sequence[Result]) -> list[str]:
     return cols + ["x naive", "x torch", "max err"]
 
 
-def table_rows(results: Sequence[Result], cols: Sequence[str] | None = None) -> list[list[str]]:
+def table_rows(results: Sequence[Result], cols: Sequence[str] | None = None,
+               wrong: set[int] | None = None) -> list[list[str]]:
+    """One row of cells per result; ``wrong`` is :func:`wrong_results` of them when the caller
+    has it already."""
     cols = list(cols or columns(results))
-    wrong = wrong_results(results)
+    wrong = wrong_results(results) if wrong is None else wrong
     rows = []
     for r in results:
         cells = {"shape": r.shape, "dtype": r.dtype, "mode": r.mode, "provider": r.provider}
@@ -737,7 +740,8 @@ def print_table(results: Sequence[Result], title: str = "fastattn bench") -> Non
         if not rs:
             continue
         cols = columns(rs)
-        rows = table_rows(rs, cols)
+        wrong = wrong_results(rs)
+        rows = table_rows(rs, cols, wrong)
         name = op if "dtype" in cols else f"{op} ({rs[0].dtype})"
         if Console is None:
             widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
@@ -746,7 +750,7 @@ def print_table(results: Sequence[Result], title: str = "fastattn bench") -> Non
                 print(" ".join(cell.rjust(w) if c not in ("shape", "dtype", "mode", "provider") else cell.ljust(w)
                                for c, cell, w in zip(cols, line, widths)).rstrip())
             continue
-        best, wrong = {}, wrong_results(rs)
+        best = {}
         for r in rs:
             if r.ms and id(r) not in wrong and (_case_key(r) not in best or r.ms < best[_case_key(r)]):
                 best[_case_key(r)] = r.ms
