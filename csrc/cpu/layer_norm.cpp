@@ -69,6 +69,10 @@ FASTATTN_INLINE A row_moment(const T* __restrict h, int64_t n, A c, A d) {
   using V = cpu::Vec<A, W>;
   const V cv(c), dv(d);
   RowSum<A, W> s;
+  auto add = [&](int u, V x) {  // accumulator u += v or v^2, v = (x - c) - d
+    const V v = (x - cv) - dv;
+    s.acc[u] = kSquares ? fma(v, v, s.acc[u]) : s.acc[u] + v;
+  };
   int64_t i = 0;
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
     // The sum does not care about order: 2W values a load, split even / odd without a shuffle.
@@ -76,22 +80,15 @@ FASTATTN_INLINE A row_moment(const T* __restrict h, int64_t n, A c, A d) {
       for (int u = 0; u < 2; ++u) {
         V even, odd;
         cpu::load_bf16_pairs<W>(h + i + 2 * u * W, even, odd);
-        const V ve = (even - cv) - dv, vo = (odd - cv) - dv;
-        s.acc[2 * u] = kSquares ? fma(ve, ve, s.acc[2 * u]) : s.acc[2 * u] + ve;
-        s.acc[2 * u + 1] = kSquares ? fma(vo, vo, s.acc[2 * u + 1]) : s.acc[2 * u + 1] + vo;
+        add(2 * u, even);
+        add(2 * u + 1, odd);
       }
     }
   }
   for (; i + 4 * W <= n; i += 4 * W) {
-    for (int u = 0; u < 4; ++u) {
-      const V v = (cpu::load_as<V>(h + i + u * W) - cv) - dv;
-      s.acc[u] = kSquares ? fma(v, v, s.acc[u]) : s.acc[u] + v;
-    }
+    for (int u = 0; u < 4; ++u) add(u, cpu::load_as<V>(h + i + u * W));
   }
-  for (; i + W <= n; i += W) {
-    const V v = (cpu::load_as<V>(h + i) - cv) - dv;
-    s.acc[0] = kSquares ? fma(v, v, s.acc[0]) : s.acc[0] + v;
-  }
+  for (; i + W <= n; i += W) add(0, cpu::load_as<V>(h + i));
   for (; i < n; ++i) {
     const A v = (cpu::to_acc<A>(h[i]) - c) - d;
     s.tail += kSquares ? v * v : v;
