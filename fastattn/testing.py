@@ -12,7 +12,9 @@ The extension kit (for fastattn's own ops and for users' kernels alike):
   reference (its backward, or finite differences of its forward), with the policy above;
 * :func:`odd_shapes` — sizes that catch tail bugs (1, 17, 130; head dims 40, 80, 100);
 * :func:`opcheck` — ``torch.library.opcheck`` with fastattn's defaults;
-* :func:`poisoned_outputs` — NaN-fill fresh allocations, so unwritten outputs fail the NaN check.
+* :func:`poisoned_outputs` — NaN-fill fresh allocations, so unwritten outputs fail the NaN check;
+* :func:`round_bf16_in_interpreter` — make the Triton CPU interpreter round float32 to bfloat16
+  as the GPU does (to nearest even), not truncate.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "odd_shapes",
     "opcheck",
     "poisoned_outputs",
+    "round_bf16_in_interpreter",
     "to_numpy",
 ]
 
@@ -115,6 +118,58 @@ def poisoned_outputs() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(det, warn_only=warn)
         torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton interpreter's float32 -> bfloat16 conversion.
+
+
+def _bf16_bits_rtne(x: np.ndarray) -> np.ndarray:
+    """The bfloat16 bit patterns (uint16) of float32 ``x`` rounded to nearest, ties to even, as
+    the GPU's ``cvt.rn.bf16.f32`` and torch's ``.to(torch.bfloat16)`` round; NaN stays a (quiet)
+    NaN of the same sign, overflow goes to infinity."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    with np.errstate(over="ignore"):
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x40)
+    return np.where(np.isnan(x), quiet_nan, rounded).astype(np.uint16)
+
+
+def round_bf16_in_interpreter() -> bool:
+    """Make ``TRITON_INTERPRET=1`` convert float32 to bfloat16 as the GPU does; returns whether
+    the interpreter needed it (False: already correct, or no Triton).
+
+    Triton's CPU interpreter (3.6 to 3.9 at least) drops the low 16 bits of a float32 cast to
+    bfloat16 (``.to(tl.bfloat16)`` and every store into a bfloat16 pointer), where compiled code
+    rounds to nearest even: a bias of up to a whole bfloat16 ulp, toward zero. A kernel tested
+    under the interpreter then looks about twice as inaccurate as it is on a GPU (found as the
+    Triton FFN's bfloat16 ``dw2``, 2.5-3.7x torch's error). This swaps the interpreter's
+    conversion for a rounding one, only for float32 -> bfloat16; the test suite calls it once
+    (tests/conftest.py), and tests/test_interpreter.py checks it against torch bit for bit.
+    """
+    try:
+        from triton.runtime import interpreter
+        import triton.language as tl
+    except ImportError:
+        return False
+    convert = interpreter._convert_float
+    if getattr(convert, "_fastattn_rtne", False):
+        return True
+    probe = np.array([1.0 + 2.0 ** -8 + 2.0 ** -20], dtype=np.float32)  # rounds up to 1 + 2^-7
+    if convert(probe, tl.float32, tl.bfloat16, None).view(np.uint16)[0] == _bf16_bits_rtne(probe)[0]:
+        return False
+
+    nearest = (None, interpreter._ir.ROUNDING_MODE.RTNE)  # the default, and asked for by name
+
+    def rounding_convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode in nearest:
+            return _bf16_bits_rtne(input).reshape(np.shape(input))
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    rounding_convert._fastattn_rtne = True
+    interpreter._convert_float = rounding_convert
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

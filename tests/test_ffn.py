@@ -38,15 +38,7 @@ def test_ffn_matches_reference_fp32(backend, device, activation, shape, bias):
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_ffn_matches_reference_bf16(backend, device, activation, request):
-    if activation == "geglu" and backend == "triton":
-        # Found when this test grew from gelu / swiglu to every activation (2026-11-26): under
-        # the interpreter the Triton geglu's dw2 is off by 0.467 where torch's is by 0.22, just
-        # over the 2x rule (0.463). With another dy, Triton's dw2 is 2.5-3.7x torch's error for
-        # gelu, swiglu and geglu alike (~3 bf16 ulps of |dw2| ~ 25, where torch and cpu are ~1):
-        # the other activations pass here only by this test's draw. Not understood yet (dx and
-        # dw1 are fine); recorded, not hidden.
-        request.applymarker(pytest.mark.xfail(reason="triton geglu bf16 dw2 error 2.1x torch's", strict=False))
+def test_ffn_matches_reference_bf16(backend, device, activation):
     _check(backend, device, activation, ((17,), 40, 1000, 24), True, torch.bfloat16)
 
 
