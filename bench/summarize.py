@@ -42,12 +42,13 @@ def _ours(name: str) -> bool:
     return name.startswith("fastattn")
 
 
-def _label(env: dict) -> str:
+def _label(env: dict, results: list[Result]) -> str:
     kind = env.get("device_type") or ("cpu" if "cuda" not in env else "cuda")
     if kind == "cpu":
         threads = env.get("threads", "?")
+        dtypes = ", ".join(dict.fromkeys(r.dtype for r in results)) or "?"
         return (f"**CPU numbers** ({env.get('device', '?')}, {threads} thread{'' if threads == 1 else 's'}) — "
-                "small shapes, float32; they say nothing about GPU performance")
+                f"small shapes, {dtypes}; they say nothing about GPU performance")
     return f"**GPU numbers** ({env.get('device', '?')}, CUDA {env.get('cuda', '?')}, driver {env.get('driver', '?')})"
 
 
@@ -138,7 +139,7 @@ def summarize_file(path: str) -> list[str]:
         commit += " (with uncommitted changes)"
     lines = [
         f"## {name}", "",
-        _label(env), "",
+        _label(env, results), "",
         f"- recorded {env.get('date', '?')} with `{env.get('command', 'fastattn bench')}`"
         + (f" in {env['wall_s']:.0f} s" if env.get("wall_s") else ""),
         f"- fastattn {env.get('fastattn', '?')} at commit {commit}; torch {env.get('torch', '?')}, "

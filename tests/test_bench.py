@@ -188,6 +188,11 @@ def test_summarize_writes_markdown(tiny_run, tmp_path):
     assert summarize.main([path, "-o", str(out)]) == 0
     text = out.read_text()
     assert "**CPU numbers**" in text and "### Headlines" in text
+    dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in json.load(open(path))["results"]))
+    assert f"small shapes, {dtypes};" in text  # the dtypes the run measured, not a fixed one
+    from fastattn.bench import Result
+    bf16 = [Result("ffn", "s", "bfloat16", "fwd", "torch", ms=1.0)]
+    assert "small shapes, bfloat16;" in summarize._label({"device_type": "cpu", "threads": 2}, bf16)
     for op in SUITES:
         assert f"### {op}" in text
     assert "Could not run:" in text and "torch.sdpa[efficient]" in text
