@@ -184,13 +184,13 @@ def _bad_cases():
     def setup():
         return _paged([5, 9], 1, 2, 2, 16, 16, 4, "cpu", spare=0)
 
-    def attend(**over):
+    def attend(backend, **over):  # (the cpu op checks the values itself, naive through Python)
         q, kc, vc, table, seqlens = setup()
         args = dict(q=q, k_cache=kc, v_cache=vc, block_table=table, cache_seqlens=seqlens)
         args.update(over)
-        fastattn.paged_attention(**args)
+        fastattn.paged_attention(**args, backend=backend)
 
-    def append(**over):
+    def append(backend, **over):  # (one registered op for every backend)
         q, kc, vc, table, seqlens = setup()
         args = dict(k_cache=kc, v_cache=vc, block_table=table, cache_seqlens=seqlens,
                     k_new=torch.zeros(2, 2, 1, 16), v_new=torch.zeros(2, 2, 1, 16))
@@ -199,33 +199,37 @@ def _bad_cases():
 
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     return [
-        ("table int64", TypeError, "block_table", lambda: attend(block_table=torch.zeros(2, 3, dtype=torch.long))),
-        ("table out of range", ValueError, "block_table", lambda: attend(block_table=i32([0, 1, -1], [2, 9, 3]))),
-        ("table negative", ValueError, "block_table", lambda: attend(block_table=i32([0, -2, -1], [2, 3, 4]))),
-        ("seqlens above blocks", ValueError, "cache_seqlens", lambda: attend(cache_seqlens=i32(9, 9))),
-        # tables with no unused (-1) entry (the CPU's fast check): out of range, over the row
-        ("full table out of range", ValueError, "block_table", lambda: attend(block_table=i32([0, 1, 2], [2, 9, 3]))),
-        ("full table seqlens above", ValueError, "cache_seqlens", lambda: attend(
-            block_table=i32([0, 1, 2], [2, 3, 4]), cache_seqlens=i32(5, 13))),
-        ("seqlens int64", TypeError, "cache_seqlens", lambda: attend(cache_seqlens=torch.tensor([5, 9]))),
-        ("seqlens negative", ValueError, "cache_seqlens", lambda: attend(cache_seqlens=i32(-1, 9))),
-        ("cache dtype", TypeError, "v_cache", lambda: attend(v_cache=torch.zeros(5, 4, 2, 16, dtype=torch.float64))),
-        ("cache shapes", ValueError, "k_cache", lambda: attend(v_cache=torch.zeros(5, 3, 2, 16))),
-        ("cache head dim", ValueError, "head dim", lambda: attend(k_cache=torch.zeros(5, 4, 2, 8))),
-        ("cache 3-D", ValueError, "k_cache", lambda: attend(k_cache=torch.zeros(5, 4, 2))),
-        ("table batch", ValueError, "block_table", lambda: attend(block_table=i32([0, 1, 2]))),
-        ("append past blocks", ValueError, "cache_seqlens", lambda: append(cache_seqlens=i32(8, 9))),
-        ("append heads", ValueError, "k_new", lambda: append(k_new=torch.zeros(2, 1, 1, 16), v_new=torch.zeros(2, 1, 1, 16))),
-        ("append dtype", TypeError, "k_new", lambda: append(k_new=torch.zeros(2, 2, 1, 16, dtype=torch.float16))),
-        ("append shared slot", ValueError, "same cache slot", lambda: append(
-            block_table=i32([0, 1, -1], [0, 1, 2]), cache_seqlens=i32(5, 5))),
+        ("table int64", TypeError, "block_table", lambda b: attend(b, block_table=torch.zeros(2, 3, dtype=torch.long))),
+        ("table out of range", ValueError, "block_table", lambda b: attend(b, block_table=i32([0, 1, -1], [2, 9, 3]))),
+        ("table negative", ValueError, "block_table", lambda b: attend(b, block_table=i32([0, -2, -1], [2, 3, 4]))),
+        ("seqlens above blocks", ValueError, "cache_seqlens", lambda b: attend(b, cache_seqlens=i32(9, 9))),
+        # an entry past the keys is checked too (the rule is the table's, not the keys')
+        ("unused entry out of range", ValueError, "block_table", lambda b: attend(
+            b, block_table=i32([0, 1, -1], [2, 3, 9]), cache_seqlens=i32(5, 5))),
+        # tables with no unused (-1) entry (Python's fast check): out of range, over the row
+        ("full table out of range", ValueError, "block_table", lambda b: attend(b, block_table=i32([0, 1, 2], [2, 9, 3]))),
+        ("full table seqlens above", ValueError, "cache_seqlens", lambda b: attend(
+            b, block_table=i32([0, 1, 2], [2, 3, 4]), cache_seqlens=i32(5, 13))),
+        ("seqlens int64", TypeError, "cache_seqlens", lambda b: attend(b, cache_seqlens=torch.tensor([5, 9]))),
+        ("seqlens negative", ValueError, "cache_seqlens", lambda b: attend(b, cache_seqlens=i32(-1, 9))),
+        ("cache dtype", TypeError, "v_cache", lambda b: attend(b, v_cache=torch.zeros(5, 4, 2, 16, dtype=torch.float64))),
+        ("cache shapes", ValueError, "k_cache", lambda b: attend(b, v_cache=torch.zeros(5, 3, 2, 16))),
+        ("cache head dim", ValueError, "head dim", lambda b: attend(b, k_cache=torch.zeros(5, 4, 2, 8))),
+        ("cache 3-D", ValueError, "k_cache", lambda b: attend(b, k_cache=torch.zeros(5, 4, 2))),
+        ("table batch", ValueError, "block_table", lambda b: attend(b, block_table=i32([0, 1, 2]))),
+        ("append past blocks", ValueError, "cache_seqlens", lambda b: append(b, cache_seqlens=i32(8, 9))),
+        ("append heads", ValueError, "k_new", lambda b: append(b, k_new=torch.zeros(2, 1, 1, 16), v_new=torch.zeros(2, 1, 1, 16))),
+        ("append dtype", TypeError, "k_new", lambda b: append(b, k_new=torch.zeros(2, 2, 1, 16, dtype=torch.float16))),
+        ("append shared slot", ValueError, "same cache slot", lambda b: append(
+            b, block_table=i32([0, 1, -1], [0, 1, 2]), cache_seqlens=i32(5, 5))),
     ]
 
 
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "naive") if b in fastattn.backends.implementations("paged_attention")])
 @pytest.mark.parametrize("name,exc,match,fn", _bad_cases(), ids=[c[0] for c in _bad_cases()])
-def test_bad_input(name, exc, match, fn):
+def test_bad_input(name, exc, match, fn, backend):
     with pytest.raises(exc, match=match):
-        fn()
+        fn(backend)
 
 
 def test_failed_append_leaves_cache_unchanged():
@@ -241,7 +245,7 @@ def test_failed_append_leaves_cache_unchanged():
 def test_cpp_op_rejects_out_of_range_blocks():
     q, kc, vc, table, seqlens = _paged([5, 9], 1, 2, 2, 16, 16, 4, "cpu", spare=0)
     table[1, 1] = 99
-    with pytest.raises(RuntimeError, match="block_table"):
+    with pytest.raises(ValueError, match="block_table"):
         torch.ops.fastattn.paged_attention_fwd(q, kc, vc, table, seqlens, 0.25, True, 99, 0)
 
 

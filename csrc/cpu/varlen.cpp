@@ -34,9 +34,10 @@
 // inputs), the cache read in place (float32 / float64 rows of whole vectors) or converted a key
 // row at a time (never as a whole).
 // Limits: none beyond memory; index arithmetic is int64. Every index is checked before use:
-// cu_seqlens must be within bounds and non-decreasing, block_table entries of used slots within
-// [0, num_blocks), cache_seqlens within the blocks a row owns (the Python layer gives friendlier
-// messages; these checks keep a direct call in bounds).
+// cu_seqlens must be within bounds and non-decreasing (the Python layer gives friendlier
+// messages; these checks keep a direct call in bounds); block_table entries must be blocks or -1
+// and cache_seqlens within the blocks a row owns (ValueError naming them: the public function
+// leaves these values to this op).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -498,13 +499,25 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cpu(
   const auto lc = cache_seqlens.contiguous();
   std::vector<int64_t> table(tc.data_ptr<int32_t>(), tc.data_ptr<int32_t>() + tc.numel());
   std::vector<int64_t> lens(lc.data_ptr<int32_t>(), lc.data_ptr<int32_t>() + B);
+  // The rule of fastattn.paged_attention (fastattn/ops/varlen.py, _check_paged), which leaves
+  // the values to this op on the cpu backend: every entry a block or -1; a row owns its entries
+  // up to the first -1; its length fits in them.
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_blocks * bs, "cache_seqlens[", b, "] = ", lens[b],
-                " is outside [0, ", max_blocks * bs, "]");
-    for (int64_t s = 0; s * bs < lens[b]; ++s)
-      TORCH_CHECK(table[b * max_blocks + s] >= 0 && table[b * max_blocks + s] < nblocks,
-                  "block_table[", b, ", ", s, "] = ", table[b * max_blocks + s],
-                  " is outside [0, ", nblocks, ")");
+    int64_t owned = 0;
+    bool prefix = true;
+    for (int64_t s = 0; s < max_blocks; ++s) {
+      const int64_t e = table[b * max_blocks + s];
+      TORCH_CHECK_VALUE(e >= -1 && e < nblocks, "block_table[", b, ", ", s, "] = ", e,
+                        " is not a block of the caches (0 <= index < num_blocks = ", nblocks,
+                        ", or -1 for no block)");
+      prefix = prefix && e >= 0;
+      owned += prefix;
+    }
+    TORCH_CHECK_VALUE(lens[b] >= 0, "cache_seqlens must be >= 0, got cache_seqlens[", b, "] = ",
+                      lens[b]);
+    TORCH_CHECK_VALUE(lens[b] <= owned * bs, "cache_seqlens[", b, "] = ", lens[b], " exceeds the ",
+                      owned * bs, " positions of the blocks row ", b, " of block_table owns (block_size ",
+                      bs, ")");
   }
   auto out = at::empty({B, q.size(1), q.size(2), v_cache.size(3)}, q.options());
   auto lse = at::empty({B, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));

@@ -337,12 +337,23 @@ def _check_paged_heads(q, k_cache) -> None:
                          f"({k_cache.shape[2]})")
 
 
-def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra: int = 0) -> None:
+#: Backends whose paged_attention op checks block_table and cache_seqlens itself, with
+#: :func:`_check_paged`'s rule and a ValueError naming them (csrc/cpu/varlen.cpp): it reads them
+#: anyway, and the same test in Python (NumPy views, four reductions) was a decoding step's
+#: largest fixed cost at batch 1 (~9 of ~25 us).
+_CHECKS_PAGED_VALUES = frozenset({"cpu"})
+
+
+def _check_paged(q_name, q, k_cache, v_cache, block_table, cache_seqlens, extra: int = 0,
+                 values: bool = True) -> None:
     """Checks shared by paged_attention (q (B, H, Lq, D)) and paged_cache_append (k_new, with
     ``extra`` new tokens that must fit in the blocks each row owns too, and may not share a slot).
     The value checks run where the tensors are, with one device-to-host sync; only a failure is
-    diagnosed on the host."""
+    diagnosed on the host. ``values=False``: shapes only, for a kernel that checks the values
+    itself with this rule (:data:`_CHECKS_PAGED_VALUES`)."""
     _check_paged_shapes(q_name, q, k_cache, v_cache, block_table, cache_seqlens)
+    if not values:
+        return
     B = q.shape[0]
     num_blocks, bs = k_cache.shape[0], k_cache.shape[1]
     # On the CPU through NumPy views (a decoding step's fixed cost: ~10 torch ops of ~5 us each
@@ -465,13 +476,14 @@ def paged_attention(
     _check_tensor("q", q, 4, "(batch, heads, new_tokens, head_dim)")
     _check_float("q", q, q, "q")
     _check_band(causal, window)
-    _check_paged("q", q, k_cache, v_cache, block_table, cache_seqlens)
+    name, impl = backends.select("paged_attention", q.device, backend, q.dtype)
+    _check_paged("q", q, k_cache, v_cache, block_table, cache_seqlens,
+                 values=name not in _CHECKS_PAGED_VALUES)
     _check_paged_heads(q, k_cache)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     unbounded = q.shape[2] + block_table.shape[1] * k_cache.shape[1]
     bottom_right, left, right = _band_args(causal, window, unbounded)
     q, k_cache, v_cache = (last_dim_contiguous(t) for t in (q, k_cache, v_cache))
-    _, impl = backends.select("paged_attention", q.device, backend, q.dtype)
     out, lse = impl(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom_right, left, right)
     return (out, lse) if return_lse else out
 
