@@ -30,7 +30,8 @@ TORCH_LIBRARY(fastattn, m) {
   m.def(
       "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int offset, "
       "int left, int right, float dropout_p, int seed) -> (Tensor out, Tensor lse)");
-  // dmask (float32, (B, H, Lq, Lk)) is returned when need_dmask, empty otherwise.
+  // dmask ((B, H, Lq, Lk), float32; float64 for float64 q) is returned when need_dmask, empty
+  // otherwise.
   m.def(
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? mask, float scale, int offset, int left, int right, float dropout_p, int seed, "

@@ -8,7 +8,8 @@
 //   P   = exp(S - lse),  O = (P * Z) V      Z = keep / (1 - p) from fastattn/rng.h (1 if p = 0)
 //
 //   delta = rowsum(dO * O),  dV = (P * Z)^T dO,  dS = P * (Z * (dO V^T) - delta),
-//   dQ = scale * dS K,  dK = scale * dS^T Q,  dmask = dS (float32, when asked)
+//   dQ = scale * dS K,  dK = scale * dS^T Q,  dmask = dS (in the accumulation type: float32,
+//   float64 for float64 inputs; when asked)
 //
 // Algorithm: flash attention with O(L) extra memory; no Lq x Lk matrix is ever formed (dmask,
 // an output, excepted).
@@ -200,7 +201,7 @@ struct BwdArgs {
   // careful path so that masked-out entries never pass a NaN on.
   const uint8_t *q_bad, *do_bad, *k_bad;
   A *dq, *dk, *dv;  // contiguous, shaped like q, k, v
-  float* dmask;     // (B, H, Lq, Lk) or null
+  A* dmask;         // (B, H, Lq, Lk) or null
 };
 
 template <class V>
@@ -304,7 +305,7 @@ FASTATTN_INLINE void probs_tile(const BwdArgs<typename V::value_type>& p, int64_
 }
 
 // dP = dO V^T, then dS = P (Z dP - delta) in place in dp on the same tile (P in s, Z in z);
-// dmask = dS (float32, -0 -> 0) when asked.
+// dmask = dS (-0 -> 0) when asked.
 template <class V>
 FASTATTN_INLINE void dscores_tile(const BwdArgs<typename V::value_type>& p, int64_t bh, int64_t bg,
                                   int64_t kb, int64_t i0, int64_t nq, const KeyTile& tile,
@@ -319,9 +320,9 @@ FASTATTN_INLINE void dscores_tile(const BwdArgs<typename V::value_type>& p, int6
   for (int64_t r = 0; r < nq; ++r) {
     ds_row<V>(dp + r * TK, s + r * TK, p.drop.on ? z + r * TK : nullptr, tile.nkp, delta[r]);
     if (p.dmask != nullptr) {
-      float* dst = p.dmask + (bh * p.sh.Lq + i0 + r) * p.sh.Lk + tile.j0;
+      A* dst = p.dmask + (bh * p.sh.Lq + i0 + r) * p.sh.Lk + tile.j0;
       const A* src = dp + r * TK;
-      for (int64_t c = 0; c < tile.nk; ++c) dst[c] = static_cast<float>(src[c]) + 0.0f;  // -0 -> 0
+      for (int64_t c = 0; c < tile.nk; ++c) dst[c] = src[c] + A(0);  // -0 -> 0
     }
   }
 }
@@ -594,7 +595,7 @@ void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::T
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse_in,
                         const cpu::MaskView& mask, double scale, const Band& band,
                         const Dropout& drop, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                        float* dmask) {
+                        acc_t<T>* dmask) {
   using A = acc_t<T>;
   const auto acc_opts = q.options().dtype(c10::CppTypeToScalarType<A>::value);
   const Shape sh{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
@@ -716,8 +717,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  at::Tensor dmask = need_dmask ? at::zeros({B, H, Lq, Lk}, q.options().dtype(at::kFloat))
-                                : at::empty({0}, q.options().dtype(at::kFloat));
+  const auto dmask_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;  // acc_t
+  at::Tensor dmask = need_dmask ? at::zeros({B, H, Lq, Lk}, q.options().dtype(dmask_dtype))
+                                : at::empty({0}, q.options().dtype(dmask_dtype));
   if (B * H * Lq == 0 || Lk == 0) {
     dq.zero_();
     dk.zero_();
@@ -727,7 +729,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   const Band band = make_band(offset, left, right, Lq, Lk);
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_bwd_cpu", [&] {
     attention_bwd_impl<scalar_t>(dout, q, k, v, out, lse, mview, scale, band, drop, dq, dk, dv,
-                                 need_dmask ? dmask.data_ptr<float>() : nullptr);
+                                 need_dmask ? dmask.data_ptr<acc_t<scalar_t>>() : nullptr);
   });
   return {dq, dk, dv, dmask};
 }

@@ -175,7 +175,8 @@ def _fake_fwd(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
 
 def _fake_bwd(dout, q, k, v, out, lse, mask, scale, offset, left, right, dropout_p, seed, need_dmask):
     B, H, Lq, _ = q.shape
-    dmask = q.new_empty(B, H, Lq, k.shape[2], dtype=torch.float32) if need_dmask else q.new_empty(0)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the accumulation type
+    dmask = q.new_empty(B, H, Lq, k.shape[2], dtype=dtype) if need_dmask else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
