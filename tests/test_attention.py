@@ -106,6 +106,38 @@ def test_fully_masked_rows_give_zero_not_nan(backend, device):
     assert torch.all(out[0, 0, :5] == 0) and not torch.isnan(out).any()
 
 
+CPU = "cpu" in fastattn.backends.implementations("attention") and fastattn.backend_status()["cpu"] is None
+
+
+@pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
+@pytest.mark.parametrize("hkv", [1, 2], ids=["two-pass", "one-pass"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kind", ["bias", "bool", "2d-inf", "padding"])
+def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
+    """The cpu backward takes two passes (dK/dV, then dQ) when few (batch, kv head) pairs would
+    leave threads idle (B * Hkv = 1 on 2 threads), else one: both, with every mask kind, at
+    lengths that leave partial tiles and partial 8 x 8 blocks (the dK/dV pass reads the mask
+    transposed, in register-transposed blocks)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{kind}{dtype}{hkv}".encode()))
+        B, H, Lq, Lk, D = 1, 2, 37, 45, 16
+        q, k, v = _qkv(B, H, hkv, Lq, Lk, D, D, "cpu", dtype, g)
+        mask = _mask(kind, B, H, Lq, Lk, "cpu", dtype, g)
+        out = fastattn.attention(q, k, v, mask, enable_gqa=True, backend="cpu")
+        dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+        inputs = [q, k, v] + ([mask] if kind == "bias" else [])
+        grads = torch.autograd.grad(out, inputs, dout)
+    finally:
+        torch.set_num_threads(threads)
+    np_mask = to_numpy(mask) if mask.is_floating_point() else mask.numpy()
+    refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
+                                        mask=np_mask, enable_gqa=True)
+    for name, got, want in zip(("dq", "dk", "dv", "dmask"), grads, refs):
+        assert_close_to_reference(got, want, name=name)
+
+
 @pytest.mark.parametrize("as_float", [False, True])
 def test_key_padding_mask_over_whole_key_tiles(as_float):
     """A key-padding mask that removes whole key tiles (256 keys; the cpu forward skips them): same

@@ -234,12 +234,13 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
         // S^T = K Q^T, P^T = exp(S^T - lse)
         cpu::gemm<V>(nk, nqp, D, kblk, Dp, p.qt + (bh * p.nqb + qb) * D * TQ, TQ, st.data(), TQ,
                      false);
+        if (p.mask.defined()) {
+          cpu::apply_mask_tile_t(st.data(), TQ, nk, nq, p.mask, p.mask.offset(b, h, i0, j0),
+                                 p.mask.stride[2], p.mask.stride[3]);
+        }
         for (int64_t r = 0; r < nk; ++r) {
           A* sr = st.data() + r * TQ;
           const int64_t j = j0 + r;
-          if (p.mask.defined()) {
-            cpu::apply_mask_row(sr, nq, p.mask, p.mask.offset(b, h, i0, j), p.mask.stride[2]);
-          }
           if (!full || nq < nqp) {
             band_row(sr, nq, nqp, full ? 0 : j - p.band.hi - i0, full ? nq : j - p.band.lo - i0 + 1);
           }

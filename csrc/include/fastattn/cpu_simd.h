@@ -337,6 +337,46 @@ FASTATTN_INLINE Vec<A, W> sum_each(Vec<A, W>* x) {
 #endif
 }
 
+// transpose(x): the W x W matrix held as W vectors x[0, W) (row i = x[i]) replaced by its
+// transpose, in log2(W) rounds of W interleaves: x'[2k] = the first halves of x[k] and
+// x[k + W/2] interleaved, x'[2k+1] = their second halves (a perfect shuffle of the rows; after
+// log2(W) of them, lane c of row r holds what lane r of row c held).
+namespace detail {
+constexpr int interleave_lane(int W, bool second, int o) {
+  return (o % 2 ? W : 0) + o / 2 + (second ? W / 2 : 0);
+}
+#if FASTATTN_VECTOR_EXTENSIONS
+template <int W, bool kSecond, class Raw, size_t... O>
+FASTATTN_INLINE Raw interleave_half(Raw a, Raw b, std::index_sequence<O...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, interleave_lane(W, kSecond, O)...);
+#else
+  using I = std::conditional_t<sizeof(a[0]) == 4, int32_t, int64_t>;
+  typedef I Mask __attribute__((vector_size(sizeof(Raw))));
+  return __builtin_shuffle(a, b, Mask{interleave_lane(W, kSecond, O)...});
+#endif
+}
+#endif
+}  // namespace detail
+
+template <class A, int W>
+FASTATTN_INLINE void transpose(Vec<A, W>* x) {
+#if FASTATTN_VECTOR_EXTENSIONS
+  constexpr auto lanes = std::make_index_sequence<W>{};
+  for (int round = 1; round < W; round *= 2) {
+    Vec<A, W> y[W];
+    for (int k = 0; k < W / 2; ++k) {
+      y[2 * k] = Vec<A, W>(detail::interleave_half<W, false>(x[k].v, x[k + W / 2].v, lanes));
+      y[2 * k + 1] = Vec<A, W>(detail::interleave_half<W, true>(x[k].v, x[k + W / 2].v, lanes));
+    }
+    for (int k = 0; k < W; ++k) x[k] = y[k];
+  }
+#else
+  for (int r = 0; r < W; ++r)
+    for (int c = r + 1; c < W; ++c) std::swap(x[r].v[c], x[c].v[r]);
+#endif
+}
+
 // True iff x is -0.0 (the marker of a masked-out probability in the attention kernels; a NaN,
 // whatever its sign bit, is not).
 template <class A>
