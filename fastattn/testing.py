@@ -125,15 +125,10 @@ def poisoned_outputs() -> Iterator[None]:
 
 
 def _bf16_bits_rtne(x: np.ndarray) -> np.ndarray:
-    """The bfloat16 bit patterns (uint16) of float32 ``x`` rounded to nearest, ties to even, as
-    the GPU's ``cvt.rn.bf16.f32`` and torch's ``.to(torch.bfloat16)`` round; NaN stays a (quiet)
-    NaN of the same sign, overflow goes to infinity."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    bits = x.view(np.uint32)
-    with np.errstate(over="ignore"):
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x40)
-    return np.where(np.isnan(x), quiet_nan, rounded).astype(np.uint16)
+    """The bfloat16 bit patterns (uint16) of float32 ``x`` as torch rounds them (to nearest,
+    ties to even, as the GPU's ``cvt.rn.bf16.f32``)."""
+    x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 def round_bf16_in_interpreter() -> bool:
