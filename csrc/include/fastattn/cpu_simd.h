@@ -457,31 +457,30 @@ FASTATTN_INLINE void load_bf16_pairs(const c10::BFloat16* p, Vec<float, W>& even
   std::memcpy(&odd.v, &o, sizeof(o));
 }
 
-// The inverse: 2W bfloat16 values from the even-position and odd-position floats, rounded as
+// x rounded to bfloat16 (nearest even; NaN -> the quiet NaN 0x7FC0), in the high half of each
+// 32-bit lane (the low half is not cleared): the one rounding of the vector stores below.
+template <int W>
+FASTATTN_INLINE typename RawVec<uint32_t, W>::type bf16_high(Vec<float, W> x) {
+  using U32 = typename RawVec<uint32_t, W>::type;
+  U32 u;
+  std::memcpy(&u, &x.v, sizeof(u));
+  return x.v != x.v ? U32{} + 0x7FC00000u : u + 0x7FFFu + ((u >> 16) & 1u);
+}
+
+// load_bf16_pairs inverted: 2W bfloat16 values from the even-position and odd-position floats, rounded as
 // store_bf16 rounds, interleaved by an or (no shuffle). An elementwise pass that loads pairs and
 // stores pairs keeps every value in its place without widening or narrowing in order.
 template <int W>
 FASTATTN_INLINE void store_bf16_pairs(Vec<float, W> even, Vec<float, W> odd, c10::BFloat16* p) {
   using U32 = typename RawVec<uint32_t, W>::type;
-  auto round = [](Vec<float, W> x) {
-    U32 u;
-    std::memcpy(&u, &x.v, sizeof(u));
-    const U32 r = u + 0x7FFFu + ((u >> 16) & 1u);
-    return x.v != x.v ? U32{} + 0x7FC00000u : r;  // rounded value in the high half
-  };
-  const U32 out = (round(even) >> 16) | (round(odd) & 0xFFFF0000u);
+  const U32 out = (bf16_high(even) >> 16) | (bf16_high(odd) & 0xFFFF0000u);
   std::memcpy(p, &out, sizeof(out));
 }
 
 template <int W>
 FASTATTN_INLINE void store_bf16(Vec<float, W> x, c10::BFloat16* p) {
   using U16 = typename RawVec<uint16_t, W>::type;
-  using U32 = typename RawVec<uint32_t, W>::type;
-  U32 u;
-  std::memcpy(&u, &x.v, sizeof(u));
-  U32 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  r = x.v != x.v ? U32{} + 0x7FC0u : r;
-  const U16 h = __builtin_convertvector(r, U16);
+  const U16 h = __builtin_convertvector(bf16_high(x) >> 16, U16);
   std::memcpy(p, &h, sizeof(h));
 }
 #else
