@@ -55,6 +55,39 @@ inline MaskView make_mask_view(const std::optional<at::Tensor>& mask, at::IntArr
   return view;
 }
 
+#if FASTATTN_VECTOR_EXTENSIONS
+// The mask dtypes the vector paths below take for accumulation type A: bool (a byte), A itself,
+// and bfloat16 for float.
+template <class A, class M>
+constexpr bool kVectorMask = std::is_same_v<M, uint8_t> || std::is_same_v<M, A> ||
+                             (std::is_same_v<M, c10::BFloat16> && std::is_same_v<A, float>);
+
+// W mask values at m as a vector of A (a bool mask as 0 / 1).
+template <class V, class M>
+FASTATTN_INLINE V load_mask(const M* m) {
+  constexpr int W = V::size;
+  if constexpr (std::is_same_v<M, uint8_t>) {
+    typedef uint8_t Bytes __attribute__((vector_size(W)));
+    Bytes b;
+    std::memcpy(&b, m, sizeof(b));
+    return V(__builtin_convertvector(b, typename V::Raw));
+  } else if constexpr (std::is_same_v<M, typename V::value_type>) {
+    return V::load(m);
+  } else {
+    return load_bf16<W>(m);
+  }
+}
+
+// Scores s under mask values mv (load_mask's): apply_mask_row_typed's rule, a vector at a time.
+template <class M, class V>
+FASTATTN_INLINE V masked(V s, V mv) {
+  using A = typename V::value_type;
+  const V neg_inf(-std::numeric_limits<A>::infinity());
+  if constexpr (std::is_same_v<M, uint8_t>) return V::select_gt(mv, V(A(0)), s, neg_inf);
+  else return V::select_neg_inf(mv, neg_inf, s + mv);
+}
+#endif
+
 // The contiguous row's whole vectors (32 bytes of A; compiled for the caller's ISA, which the
 // kernels inline this into): as the loops below, c < returned count done. Measured on a 2 x 4 x
 // 512 x 512 float mask, 1 thread AVX2: the element loops cost ~4 cycles a score, more than
@@ -64,24 +97,9 @@ FASTATTN_INLINE int64_t apply_mask_row_vectors(A* s, int64_t n, const M* m) {
 #if FASTATTN_VECTOR_EXTENSIONS
   using V = Vec<A, 32 / sizeof(A)>;
   constexpr int64_t W = V::size;
-  const V neg_inf(-std::numeric_limits<A>::infinity());
   int64_t c = 0;
-  if constexpr (std::is_same_v<M, uint8_t>) {  // keep where the byte is non-zero
-    typedef uint8_t Bytes __attribute__((vector_size(W)));
-    for (; c + W <= n; c += W) {
-      Bytes b;
-      std::memcpy(&b, m + c, sizeof(b));
-      const V keep(__builtin_convertvector(b, typename V::Raw));
-      V::select_gt(keep, V(A(0)), V::load(s + c), neg_inf).store(s + c);
-    }
-  } else if constexpr (std::is_same_v<M, A> ||
-                       (std::is_same_v<M, c10::BFloat16> && std::is_same_v<A, float>)) {
-    for (; c + W <= n; c += W) {
-      V mv;
-      if constexpr (std::is_same_v<M, A>) mv = V::load(m + c);
-      else mv = load_bf16<W>(m + c);
-      V::select_neg_inf(mv, neg_inf, V::load(s + c) + mv).store(s + c);
-    }
+  if constexpr (kVectorMask<A, M>) {
+    for (; c + W <= n; c += W) masked<M>(V::load(s + c), load_mask<V>(m + c)).store(s + c);
   }
   return c;
 #else
@@ -122,33 +140,18 @@ FASTATTN_INLINE int64_t apply_mask_tile_t_vectors(A* st, int64_t ld, int64_t nk,
 #if FASTATTN_VECTOR_EXTENSIONS
   using V = Vec<A, 32 / sizeof(A)>;
   constexpr int64_t W = V::size;
-  constexpr bool kBool = std::is_same_v<M, uint8_t>;
-  if constexpr (kBool || std::is_same_v<M, A> ||
-                (std::is_same_v<M, c10::BFloat16> && std::is_same_v<A, float>)) {
-    const V neg_inf(-std::numeric_limits<A>::infinity()), zero(A(0));
+  if constexpr (kVectorMask<A, M>) {
     const int64_t nk_w = nk / W * W, nq_w = nq / W * W;
     for (int64_t r = 0; r < nk_w; r += W) {
       for (int64_t c = 0; c < nq_w; c += W) {
         V t[W];
         for (int64_t u = 0; u < W; ++u) {  // mask row of query c + u, keys r .. r + W
-          const M* row = m + (c + u) * stride_q + r;
-          if constexpr (kBool) {
-            typedef uint8_t Bytes __attribute__((vector_size(W)));
-            Bytes b;
-            std::memcpy(&b, row, sizeof(b));
-            t[u] = V(__builtin_convertvector(b, typename V::Raw));
-          } else if constexpr (std::is_same_v<M, A>) {
-            t[u] = V::load(row);
-          } else {
-            t[u] = load_bf16<W>(row);
-          }
+          t[u] = load_mask<V>(m + (c + u) * stride_q + r);
         }
         transpose(t);  // t[k]: key r + k, queries c .. c + W
         for (int64_t k = 0; k < W; ++k) {
           A* s = st + (r + k) * ld + c;
-          const V sv = V::load(s);
-          if constexpr (kBool) V::select_gt(t[k], zero, sv, neg_inf).store(s);
-          else V::select_neg_inf(t[k], neg_inf, sv + t[k]).store(s);
+          masked<M>(V::load(s), t[k]).store(s);
         }
       }
       for (int64_t k = 0; k < W && nq_w < nq; ++k) {  // the query tail of these key rows
