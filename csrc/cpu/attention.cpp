@@ -718,7 +718,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  const auto dmask_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;  // acc_t
+  const auto dmask_dtype = acc_dtype(q.scalar_type());
   at::Tensor dmask = need_dmask ? at::zeros({B, H, Lq, Lk}, q.options().dtype(dmask_dtype))
                                 : at::empty({0}, q.options().dtype(dmask_dtype));
   if (B * H * Lq == 0 || Lk == 0) {

@@ -360,10 +360,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cpu(
   if (out.empty) return out.tuple();
   const int64_t n = x.size(1);
   // weight / bias as the accumulation dtype (ones / zeros when absent): N values, read by all rows.
-  const auto acc_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const auto acc_opts = x.options().dtype(acc_dtype);
-  const at::Tensor w_acc = weight ? weight->to(acc_dtype) : at::ones({n}, acc_opts);
-  const at::Tensor b_acc = bias ? bias->to(acc_dtype) : at::zeros({n}, acc_opts);
+  const auto acc = acc_dtype(x.scalar_type());
+  const auto acc_opts = x.options().dtype(acc);
+  const at::Tensor w_acc = weight ? weight->to(acc) : at::ones({n}, acc_opts);
+  const at::Tensor b_acc = bias ? bias->to(acc) : at::zeros({n}, acc_opts);
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "layer_norm_fwd_cpu", [&] {
     layer_norm_fwd_impl<scalar_t>(x, residual, w_acc, b_acc, eps, rms, out.y, out.h, out.mean,
                                   out.rstd);
@@ -379,8 +379,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
   const int64_t m = h.size(0), n = h.size(1);
   const bool want_dw = weight.has_value() && output_mask[0];
   const bool want_db = weight.has_value() && output_mask[1];
-  const auto acc_dtype = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const auto acc_opts = h.options().dtype(acc_dtype);
+  const auto acc = acc_dtype(h.scalar_type());
+  const auto acc_opts = h.options().dtype(acc);
   at::Tensor dx = at::empty({m, n}, h.options());
   at::Tensor part_w, part_b;
   const int64_t blocks = cpu::row_blocks(m);
@@ -389,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
     part_b = at::empty({blocks, n}, acc_opts);
   }
   if (m > 0 && n > 0) {
-    const at::Tensor w_acc = weight ? weight->to(acc_dtype) : at::ones({n}, acc_opts);
+    const at::Tensor w_acc = weight ? weight->to(acc) : at::ones({n}, acc_opts);
     FASTATTN_DISPATCH_FLOATING_HALF_BF16(h.scalar_type(), "layer_norm_bwd_cpu", [&] {
       layer_norm_bwd_impl<scalar_t>(dy, dh, h, w_acc, mean, rstd, rms, dx, part_w, part_b);
     });
@@ -398,7 +398,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
     if (!want) return at::empty({0}, h.options());
     if (!part.defined()) return at::zeros({n}, weight->options());
     const at::Tensor sum =
-        acc_dtype == at::kDouble ? cpu::sum_partials<double>(part) : cpu::sum_partials<float>(part);
+        acc == at::kDouble ? cpu::sum_partials<double>(part) : cpu::sum_partials<float>(part);
     return sum.to(weight->scalar_type());
   };
   return {dx, finish(want_dw, part_w), finish(want_db, part_b)};

@@ -99,7 +99,7 @@ at::Tensor rope_fwd_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Te
   TORCH_CHECK(x.numel() == 0 || x.stride(3) == 1,
               "x must have a contiguous last dimension, got shape ", x.sizes(), " and strides ",
               x.strides());
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_dtype(x.scalar_type());
   for (const auto& [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
     check_device(*t, x, name, "x");
     check_dtype(*t, acc, name);

@@ -69,6 +69,12 @@ inline void check_param_dtype(const at::Tensor& t, at::ScalarType input_dtype, c
               " must have the input's dtype (", input_dtype, ") or float32, got ", t.scalar_type());
 }
 
+// The dtype the CPU kernels accumulate an input of `dtype` in (cpu::acc_t): float64 for float64,
+// float32 otherwise.
+inline at::ScalarType acc_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 }  // namespace fastattn
 
 // scalar_t = float, c10::Half or c10::BFloat16 (the CUDA kernels' dtypes).
