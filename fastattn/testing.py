@@ -13,6 +13,8 @@ The extension kit (for fastattn's own ops and for users' kernels alike):
 * :func:`odd_shapes` — sizes that catch tail bugs (1, 17, 130; head dims 40, 80, 100);
 * :func:`opcheck` — ``torch.library.opcheck`` with fastattn's defaults;
 * :func:`poisoned_outputs` — NaN-fill fresh allocations, so unwritten outputs fail the NaN check;
+* :func:`launching_directly` — call a Triton launcher (``fastattn.kernels``) bare, in eager mode,
+  the way its registered op runs it;
 * :func:`round_bf16_in_interpreter` — make the Triton CPU interpreter round float32 to bfloat16
   as the GPU does (to nearest even), not truncate.
 """
@@ -118,6 +120,19 @@ def poisoned_outputs() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(det, warn_only=warn)
         torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@contextlib.contextmanager
+def launching_directly() -> Iterator[None]:
+    """Run Triton launchers called bare (``fastattn.kernels.*``, not through their ops) as their
+    registered ops run them in eager mode: ``torch.library.triton_op`` turns ``wrap_triton`` off
+    there. Left on, every launch on a GPU goes through torch's higher-order op, which prunes the
+    configs itself and launches a fresh Autotuner each call: the kernel's own Autotuner (its
+    ``best_config``, ``prune_configs`` and ``cache``) never runs, and each call tunes again
+    (found on the H100, 2026-11-26). Under the Triton interpreter it changes nothing."""
+    from torch._library.triton import set_wrap_triton_enabled
+    with set_wrap_triton_enabled(False):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ their loops: one policy for every launcher.
   torch.compile is not tracing;
 * ``WARP_SPECIALIZE`` (FASTATTN_TRITON_WS: 0, 1) and :func:`warp_specialize_ok`: warp-specialized
   configs are autotuned only when asked for (``1``), on Hopper and newer, with a Triton whose
-  ``tl.range`` takes ``warp_specialize``. Off by default: on the first GPU run (H200, Triton
-  3.6, 2026-11-26) the autotuned forward of D128 without a causal mask, whose only kept configs
-  besides the plain one are warp-specialized, gave wrong outputs (bench/results/gpu-notes.md);
-  the plain configs were right;
+  ``tl.range`` takes ``warp_specialize``. Off by default, and a warning when turned on: every
+  warp-specialized config gives wrong outputs on Hopper with Triton 3.6 (errors 0.4-0.6 at D64
+  and D128 on an H100, 2026-11-26, where every plain config was right; first seen as the H200's
+  wrong autotuned D128 forward; bench/results/gpu-notes.md). The switch stays for work on that
+  loop;
 * :func:`launch`: should the installed Triton fail to build or run either feature on this GPU,
   the feature is switched off for the process (``disabled``, :func:`tma_status`) and the launch
   repeated on the pointer path, which computes the same result;
@@ -21,6 +22,7 @@ their loops: one policy for every launcher.
 import inspect
 import logging
 import os
+import warnings
 
 import torch
 import triton
@@ -107,11 +109,16 @@ def warp_specialize_ok():
 
 
 def ws_asked():
-    """WARP_SPECIALIZE, checked: whether warp-specialized configs are asked for."""
+    """WARP_SPECIALIZE, checked: whether warp-specialized configs are asked for (with a
+    warning, once per process: they are known to compute wrong results, module docstring)."""
     mode = str(WARP_SPECIALIZE).strip()
     if mode not in ("0", "1"):
         raise ValueError(f"FASTATTN_TRITON_WS (kernels.descriptors.WARP_SPECIALIZE) must be 0 or "
                          f"1, got {WARP_SPECIALIZE!r}")
+    if mode == "1":
+        warnings.warn("FASTATTN_TRITON_WS=1: the warp-specialized attention forward gives wrong "
+                      "results on Hopper with Triton 3.6 (H100 and H200 runs, 2026-11-26); use it "
+                      "only to work on that loop", RuntimeWarning, stacklevel=2)
     return mode == "1"
 
 

@@ -19,8 +19,21 @@ import triton  # noqa: E402
 
 from fastattn import reference as ref  # noqa: E402
 from fastattn.kernels import attention as attn  # noqa: E402
-from fastattn.kernels import descriptors  # noqa: E402
-from fastattn.kernels.attention_launch import attention_backward, attention_forward  # noqa: E402
+from fastattn.kernels import attention_launch, descriptors  # noqa: E402
+from fastattn.testing import launching_directly  # noqa: E402
+
+
+def attention_forward(*args):
+    """The launcher as its registered op runs it (fastattn.testing.launching_directly)."""
+    with launching_directly():
+        return attention_launch.attention_forward(*args)
+
+
+def attention_backward(*args):
+    """The backward launcher, likewise."""
+    with launching_directly():
+        return attention_launch.attention_backward(*args)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -221,9 +234,9 @@ BAD = {
     "dtype": (lambda q, k, v: (q.double(), k.double(), v.double(), None, 0.0), ValueError,
               "triton.* does not take torch.float64"),  # the registry's refusal (caps)
     "mixed": (lambda q, k, v: (q.half(), k, v, None, 0.0), TypeError, "share a dtype"),
-    "mask_shape": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 6, dtype=torch.bool), 0.0),
+    "mask_shape": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 6, dtype=torch.bool, device=q.device), 0.0),
                    ValueError, "not broadcastable"),
-    "mask_dtype": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 7, dtype=torch.int32), 0.0),
+    "mask_dtype": (lambda q, k, v: (q, k, v, torch.ones(2, 4, 5, 7, dtype=torch.int32, device=q.device), 0.0),
                    TypeError, "attn_mask must be bool"),
     "dropout": (lambda q, k, v: (q, k, v, None, 1.0), ValueError, "dropout_p"),
 }
@@ -447,25 +460,33 @@ def test_warp_specialization_is_off_unless_asked_for(monkeypatch):
     monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "0")
     assert not descriptors.warp_specialize_ok() and not descriptors.tma_status()["warp_specialize_on"]
     monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "1")
-    assert descriptors.warp_specialize_ok() == descriptors.HAS_WARP_SPECIALIZE
-    assert descriptors.tma_status()["warp_specialize_on"]
+    with pytest.warns(RuntimeWarning, match="gives wrong results"):  # (the H100 run)
+        assert descriptors.warp_specialize_ok() == descriptors.HAS_WARP_SPECIALIZE
+    with pytest.warns(RuntimeWarning):
+        assert descriptors.tma_status()["warp_specialize_on"]
     monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "yes")
     with pytest.raises(ValueError, match="FASTATTN_TRITON_WS"):
         descriptors.warp_specialize_ok()
 
 
+@pytest.mark.filterwarnings("ignore:FASTATTN_TRITON_WS=1:RuntimeWarning")  # (known: docstring)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("tile", [(128, 64, 4, 3), (128, 128, 4, 2)], ids=lambda t: "x".join(map(str, t)))
-def test_warp_specialized_loop(monkeypatch, d, tile):
+def test_warp_specialized_loop(monkeypatch, request, d, tile):
     """The forward's warp-specialized loop (autotuned only with FASTATTN_TRITON_WS=1, on Hopper
     and newer) gives the reference result, in each warp-specialized config the kernel lists; under
-    the interpreter the keyword is accepted and the loop runs as is (one case). The 2026-11-26
-    H200 run saw the autotuned D128 forward without a causal mask go wrong where these configs
-    were its only tuned ones, and never ran this test: the next GPU run must."""
+    the interpreter the keyword is accepted and the loop runs as is (one case). On the H100
+    (2026-11-26, Triton 3.6) every case here was wrong, out errors 0.42-0.63 against a bound of
+    0.03, while every plain config was right: an expected failure on a GPU, strict, so that the
+    run where the loop comes right says so (and FASTATTN_TRITON_WS's warning can go)."""
     if not (descriptors.HAS_DESCRIPTORS and descriptors.HAS_WARP_SPECIALIZE):
         pytest.skip(f"Triton {triton.__version__} lacks descriptors or warp specialization")
     if DEVICE == "cuda" and not descriptors.hopper_or_newer():
         pytest.skip("warp specialization is only tried on Hopper and newer")
+    if DEVICE == "cuda":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=AssertionError,
+            reason="the warp-specialized loop computes wrong outputs on Hopper (H100 run, 2026-11-26)"))
     if DEVICE == "cpu" and (d, tile) != (64, (128, 64, 4, 3)):
         pytest.skip("the interpreter runs the plain loop: one case shows the keyword is taken")
     monkeypatch.setattr(descriptors, "TMA", "1")
@@ -533,7 +554,11 @@ def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, ca
         for config in list(kept):
             monkeypatch.setattr(fn, "prune_configs", lambda kwargs, config=config: [config])
             fn.cache.clear()
-            out, lse, dq, dk, dv = run()
+            try:  # (a config the GPU cannot launch, e.g. over its shared memory, fails by name)
+                out, lse, dq, dk, dv = run()
+            except triton.runtime.errors.OutOfResources as e:
+                failures.append(f"{config}: {e}")
+                continue
             assert fn.best_config is config
             dead = np.isneginf(r_lse)  # fully masked rows (the bias mask has one)
             try:

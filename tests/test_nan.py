@@ -13,7 +13,7 @@ import torch
 
 import fastattn
 from fastattn import reference
-from fastattn.testing import to_numpy
+from fastattn.testing import launching_directly, to_numpy
 
 from conftest import DEVICE, backend_params
 
@@ -304,9 +304,12 @@ def test_nan_rule_paged(backend, device):
     _assert_matches([out, lse], list(want), torch.float32)
 
 
-def test_nan_rule_warp_specialized_fixup(monkeypatch):
+@pytest.mark.filterwarnings("ignore:FASTATTN_TRITON_WS=1:RuntimeWarning")  # (kernels.descriptors)
+def test_nan_rule_warp_specialized_fixup(monkeypatch, request):
     """A warp-specialized forward config cannot hold the careful branch; when the autotuner runs
-    one, a FIXUP launch recomputes the blocks whose output holds a NaN (kernels/attention.py)."""
+    one, a FIXUP launch recomputes the blocks whose output holds a NaN (kernels/attention.py).
+    On a GPU it may fail: the warp-specialized loop itself is wrong on Hopper
+    (test_attention_kernel.py::test_warp_specialized_loop; this case has not run on one)."""
     import triton
 
     from fastattn.kernels import attention as attn
@@ -315,6 +318,10 @@ def test_nan_rule_warp_specialized_fixup(monkeypatch):
         pytest.skip("this Triton lacks descriptors or warp specialization")
     if torch.cuda.is_available() and not descriptors.hopper_or_newer():
         pytest.skip("warp specialization is only tried on Hopper and newer")
+    if torch.cuda.is_available():
+        request.applymarker(pytest.mark.xfail(
+            strict=False, raises=AssertionError,
+            reason="the warp-specialized loop computes wrong outputs on Hopper (H100 run, 2026-11-26)"))
     monkeypatch.setattr(descriptors, "TMA", "1")
     monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "1")
     monkeypatch.setattr(descriptors, "disabled", {})
@@ -327,8 +334,11 @@ def test_nan_rule_warp_specialized_fixup(monkeypatch):
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(dtype) for _ in range(3))
     v[0, 0, 20, 3] = NAN  # the causal rows 16..19 of its tile do not attend it
-    out, lse = attention_launch.attention_forward(q.to(device), k.to(device), v.to(device), None, 0.125,
-                                      *reference.structural_band(40, 40, True), 0.0, None)
+    with launching_directly():  # (the kernel's own Autotuner, which the fixup reads)
+        out, lse = attention_launch.attention_forward(q.to(device), k.to(device), v.to(device),
+                                                      None, 0.125,
+                                                      *reference.structural_band(40, 40, True),
+                                                      0.0, None)
     want, want_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=0.125,
                                          causal=True)
     _assert_matches([out, lse], [want, want_lse], dtype)
