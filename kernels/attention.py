@@ -268,6 +268,8 @@ def _spills(kernel, config, args):
     NaN-rule branch or the tile loop is left to trim."""
     bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
     float_mask = args["HAS_MASK"] and not args.get("MASK_BOOL", True) and not args["USE_TMA"]
+    fp32_mask_dropout = (args["HAS_MASK"] and args["HAS_DROPOUT"] and "Mask" in args
+                         and args["Mask"].element_size() == 4 and args["Q"].element_size() == 2)
     return (
         # dQ 32x64 w4 on the descriptor path: spills inside its loop at every head dim (D64 at
         # ptxas's 168 tier, 16/24 B; D80/D128 at 255, 8/12 B; D256 1.5 KB)
@@ -294,6 +296,12 @@ def _spills(kernel, config, args):
         # D128 64x64 w4 (255 registers, 4/4 B)
         or (kernel == "fwd" and float_mask and warps == 4
             and (bm, bn, args["BLOCK_D"]) in ((32, 64, 64), (64, 64, 128)))
+        # a float32 mask with 16-bit inputs and dropout, L1k (2026-11-26): forward D64 16x128
+        # w4 (168 registers, 4/4 B); dK/dV D64 32x16 w8 (128, 4/8 B), D128 64x32 w8 (255,
+        # 20/20 B)
+        or (fp32_mask_dropout
+            and (kernel, bm, bn, warps, args["BLOCK_D"]) in (
+                ("fwd", 16, 128, 4, 64), ("dkdv", 32, 16, 8, 64), ("dkdv", 64, 32, 8, 128)))
     )
 
 

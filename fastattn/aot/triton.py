@@ -25,6 +25,7 @@ import io
 import os
 import subprocess
 import tempfile
+import warnings
 from typing import Callable
 
 import torch
@@ -81,7 +82,7 @@ def _attention_cases():
     from fastattn.kernels import attention_launch as AL
 
     def attn(d, dtype, L=4096, Lk=None, causal=False, mask=None, dropout=0.0, backward=True,
-             dmask=False, window=None):
+             dmask=False, window=None, mask_dtype=None):
         Lk = L if Lk is None else Lk
         q = _t(1, 2, L, d, dtype=dtype)
         k, v = _t(1, 2, Lk, d, dtype=dtype), _t(1, 2, Lk, d, dtype=dtype)
@@ -89,7 +90,7 @@ def _attention_cases():
         if mask == "bool":
             m = torch.empty(1, 1, L, Lk, dtype=torch.bool).expand(1, 2, L, Lk)
         elif mask == "float":
-            m = torch.empty(1, 1, L, Lk, dtype=dtype).expand(1, 2, L, Lk)
+            m = torch.empty(1, 1, L, Lk, dtype=mask_dtype or dtype).expand(1, 2, L, Lk)
         left, right = (window or (Lk, 0)) if causal or window else (Lk, Lk)
         band = (Lk - L, left, right)
 
@@ -135,6 +136,12 @@ def _attention_cases():
                          attn(d, dtype, L=1024, mask="float", dmask=True), tune=tune),
                     Case("attention", f"{tag} L4k dropout", attn(d, dtype, dropout=0.1),
                          tune=tune),
+                    # a float32 bias (allowed with 16-bit inputs) and dropout at once: the
+                    # pointer path's largest tiles (the H100 run of 2026-11-26 met a D128
+                    # forward config over the shared-memory limit here)
+                    Case("attention", f"{tag} L1k fp32 mask+dropout",
+                         attn(d, dtype, L=1024, mask="float", dropout=0.25,
+                              mask_dtype=torch.float32), tune=tune),
                     Case("attention", f"{tag} L4k window", attn(d, dtype, window=(256, 0)),
                          paths=("1",), tune=False),
                     # the JVP kernel (kernels/attention_jvp.py: pointer path only); not in the
@@ -282,13 +289,15 @@ def _recording(into, case, path):
 @contextlib.contextmanager
 def _planning_for(target, autotune):
     """Launch plans made for ``target`` without a GPU, autotuning on or off; warp-specialized
-    configs kept where FASTATTN_TRITON_WS=1 would keep them (off by default until a GPU run
-    shows them right, kernels/descriptors.py; compiled here so that they stay ready)."""
+    configs kept where FASTATTN_TRITON_WS=1 would keep them (off by default, and known wrong on
+    Hopper, kernels/descriptors.py; compiled here, without its warning, for work on them)."""
     from fastattn.kernels import descriptors, tuning
     saved = tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE
     tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE = target, autotune, "1"
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "FASTATTN_TRITON_WS=1", RuntimeWarning)
+            yield
     finally:
         tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE = saved
 
