@@ -166,13 +166,13 @@ CALLS: dict[str, list[Step | Lanes]] = {
         # Host time against kernel time of the small ops first, before anything compiles: that
         # run timed a 6-12 us layer norm at 300 us, its host busy (bench/host_overhead.py).
         Step("host-overhead", [PY, "bench/host_overhead.py", "--json", "{out}/host-overhead.json"],
-             40),
+             50),
         Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
                                  "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 100),
         Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--d", "128", "--no-compile",
                                       "--json", "{out}/bench-attention-d128.json"], 140),
         Step("bench-attention-d64", [*_CLI, "bench", *_QUICK_BENCH, "--d", "64", "--no-compile",
-                                     "--json", "{out}/bench-attention-d64.json"], 70),
+                                     "--json", "{out}/bench-attention-d64.json"], 60),
     ],
     # 3. Everything else in the suite, in parallel (varlen, paged, JVP, the models and Hugging
     #    Face swaps on the GPU: correctness before the counters).
