@@ -14,7 +14,8 @@ each op, mode and provider, on a quiet host (run it before anything compiles):
   call (the flush's own fill kernels left out).
 
 If ``kernel us`` is far under ``do_bench us`` and ``host us`` is over ~90, the table timed the
-host. ``python bench/host_overhead.py --json FILE`` records the rows. About 30-40 s on an H100 (predicted; it has not run on one yet).
+host. ``python bench/host_overhead.py --json FILE`` records the rows. About 30-40 s on an H100
+(predicted: it has not run on one yet).
 """
 
 from __future__ import annotations
