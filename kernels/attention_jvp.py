@@ -206,7 +206,7 @@ def attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, 
         return tout, tlse
 
     def grid(meta):
-        return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
+        return (tuning.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     kernel = torch.library.wrap_triton(_attn_jvp_kernel)[grid]
     kernel(

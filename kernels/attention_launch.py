@@ -12,7 +12,6 @@ import math
 import operator
 
 import torch
-import triton
 
 from . import descriptors, tuning
 from .attention import (
@@ -84,7 +83,7 @@ def _dropout_args(dropout_p, seed):
 
 
 def _head_block(d):
-    return max(16, triton.next_power_of_2(d))
+    return max(16, tuning.next_power_of_2(d))
 
 
 def _dot_precision(dtype):
@@ -96,7 +95,7 @@ def _bwd_delta(out, dout, delta, strides, slices, H, Lq, Dv):
     packed): ``slices`` (batch, head) slices of Lq rows, ``strides`` the batch, head and row
     strides of out, then of dout. float32 rows at 8 warps: at 4, the 64 x 128 float32 tiles of
     O and dO spilled 4/4 B on sm_90 (D80, D128)."""
-    torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(Lq, _PRE_BLOCK_M) * slices,)](
+    torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[(tuning.cdiv(Lq, _PRE_BLOCK_M) * slices,)](
         out, dout, delta, *strides, H, Lq,
         HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
         num_warps=8 if out.dtype == torch.float32 else 4,
@@ -168,7 +167,7 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
         return out, lse
 
     def grid(meta):
-        return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
+        return (tuning.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     args = (q, c.k, c.v, out, lse, c.mask, *_strides3(q, c.k, c.v, out), *c.mask_strides,
             *c.fwd_scalars)
@@ -178,7 +177,7 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
     def launch(use_tma):
         kernel(*args, USE_TMA=use_tma, **consts)
         if use_tma and _picked_warp_specialized():
-            _fwd_fixup(args, consts, triton.cdiv(Lq, 64) * B * H)
+            _fwd_fixup(args, consts, tuning.cdiv(Lq, 64) * B * H)
 
     descriptors.launch(launch, descriptors.use_tma(q, c.k, c.v),
                        ws_candidate=not (consts["HAS_MASK"] or consts["HAS_DROPOUT"]))
@@ -234,10 +233,10 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
     _bwd_delta(out, dout, delta, _strides3(out, dout), B * H, H, Lq, Dv)
 
     def grid_kv(meta):
-        return (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)
+        return (tuning.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)
 
     def grid_q(meta):
-        return (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
+        return (tuning.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     tma = descriptors.use_tma(q, k, v, dout)
     dkdv_kernel = torch.library.wrap_triton(_attn_bwd_dkdv_kernel)[grid_kv]

@@ -304,7 +304,7 @@ def _matmul(name, a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
     _check_int32(name, a, b, n, pre)
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        return (tuning.cdiv(M, meta["BLOCK_M"]) * tuning.cdiv(n, meta["BLOCK_N"]),)
 
     pre_strides = pre.stride() if pre is not None else (0, 0)
     torch.library.wrap_triton(_matmul_kernel)[grid](
@@ -386,7 +386,7 @@ def ffn_bwd(dout, x, w1, w2, pre, activation, output_mask):
     a = torch.empty((M, F), **opts)
     partial = None
     if want_db1:
-        partial = torch.empty((triton.cdiv(M, PARTIAL_ROWS), width), dtype=torch.float32,
+        partial = torch.empty((tuning.cdiv(M, PARTIAL_ROWS), width), dtype=torch.float32,
                               device=x.device)
     _matmul("dout @ w2", dout, w2, dpre, F, pre=pre, act=a, partial=partial, activation=act_id,
             gated=gated, act_grad=True)

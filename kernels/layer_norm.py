@@ -345,7 +345,7 @@ def _fwd_fused_limit(dtype):
 def _rows_per_tile(block_n, m, num_sms):
     """Pack short rows into ~_TILE_ELEMS-element tiles, keeping >= 4 tiles per SM if rows allow."""
     block_m = max(1, _TILE_ELEMS // block_n)
-    while block_m > 1 and triton.cdiv(m, block_m) < 4 * num_sms:
+    while block_m > 1 and tuning.cdiv(m, block_m) < 4 * num_sms:
         block_m //= 2
     return block_m
 
@@ -398,9 +398,9 @@ def layer_norm_fwd(x, residual, weight, bias, eps, rms):
                  HAS_BIAS=bias is not None, RMS=rms)
 
     if N <= _fwd_fused_limit(x.dtype):
-        block_n = triton.next_power_of_2(N)
+        block_n = tuning.next_power_of_2(N)
         block_m = _rows_per_tile(block_n, M, tuning.num_sms(x.device))
-        grid = (triton.cdiv(M, block_m),)
+        grid = (tuning.cdiv(M, block_m),)
         torch.library.wrap_triton(_layer_norm_fwd_kernel)[grid](
             x, res_arg, w_arg, b_arg, y, h_arg, mean_arg, rstd,
             x.stride(0), stride_res, y.stride(0), stride_h,
@@ -445,18 +445,18 @@ def layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask):
     if looped:
         block_n, block_m, num_warps = _LOOP_BLOCK_N, 1, _LOOP_NUM_WARPS
     else:
-        block_n = triton.next_power_of_2(N)
+        block_n = tuning.next_power_of_2(N)
         block_m = _rows_per_tile(block_n, M, num_sms)
         num_warps = _num_warps(block_m * block_n, 8)
-    num_tiles = triton.cdiv(M, block_m)
+    num_tiles = tuning.cdiv(M, block_m)
     if compute_dw or compute_db:
         waves = max(1, _WARPS_PER_SM // num_warps)
-        programs = max(num_sms, min(num_sms * waves, triton.cdiv(M, _MIN_ROWS_PER_PROGRAM)))
+        programs = max(num_sms, min(num_sms * waves, tuning.cdiv(M, _MIN_ROWS_PER_PROGRAM)))
         programs = min(num_tiles, programs)
     else:
         programs = num_tiles
-    tiles_per_program = triton.cdiv(num_tiles, programs)
-    programs = triton.cdiv(num_tiles, tiles_per_program)
+    tiles_per_program = tuning.cdiv(num_tiles, programs)
+    programs = tuning.cdiv(num_tiles, tiles_per_program)
 
     alloc = torch.zeros if looped else torch.empty
     dw_part = alloc((programs, N) if compute_dw else (1,), dtype=torch.float32, device=h.device)

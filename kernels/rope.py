@@ -127,14 +127,14 @@ def rope_fwd(x, cos, sin, positions, interleaved, inverse):
     if y.numel() == 0:
         return y
 
-    block_half = triton.next_power_of_2(half)
-    block_l = max(1, min(triton.next_power_of_2(L), _TILE_ELEMS // (2 * block_half)))
-    l_blocks = triton.cdiv(L, block_l)
+    block_half = tuning.next_power_of_2(half)
+    block_l = max(1, min(tuning.next_power_of_2(L), _TILE_ELEMS // (2 * block_half)))
+    l_blocks = tuning.cdiv(L, block_l)
     target = _PROGRAMS_PER_SM * tuning.num_sms(x.device)
     heads = H
-    while heads > 1 and l_blocks * B * triton.cdiv(H, heads) < target:
-        heads = triton.cdiv(heads, 2)
-    grid = (l_blocks * B, triton.cdiv(H, heads))
+    while heads > 1 and l_blocks * B * tuning.cdiv(H, heads) < target:
+        heads = tuning.cdiv(heads, 2)
+    grid = (l_blocks * B, tuning.cdiv(H, heads))
     pos_arg = positions if positions is not None else cos
     spb, spl = (positions.stride(0), positions.stride(1)) if positions is not None else (0, 0)
     num_warps = max(1, min(8, block_l * block_half * 2 // 512))

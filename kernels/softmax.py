@@ -215,12 +215,10 @@ def _check_limits(mask=None, **tensors):
 
 def _short_launch(n_rows, n):
     """(BLOCK_M, BLOCK_N, num_warps) for the one-pass path, or None when the row is too long."""
-    # (tuning.bucket, not triton.next_power_of_2 / cdiv: those are constexpr functions, ~2 us a
-    # call on the host, three a launch)
-    block_n = tuning.bucket(n)
+    block_n = tuning.next_power_of_2(n)
     if block_n > MAX_FUSED_N:
         return None
-    block_m = min(max(1, _ROWS_TILE // block_n), tuning.bucket(n_rows))
+    block_m = min(max(1, _ROWS_TILE // block_n), tuning.next_power_of_2(n_rows))
     num_warps = min(16, max(1, block_m * block_n // 512))
     return block_m, block_n, num_warps
 
@@ -247,7 +245,7 @@ def softmax_fwd(x, mask, scale, is_causal):
     short = _short_launch(n_rows, Lk)
     if short is not None:
         block_m, block_n, num_warps = short
-        torch.library.wrap_triton(_softmax_fwd_kernel)[(-(-n_rows // block_m),)](
+        torch.library.wrap_triton(_softmax_fwd_kernel)[(tuning.cdiv(n_rows, block_m),)](
             *args, n_rows, Lk, *common, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps)
     else:
@@ -270,7 +268,7 @@ def softmax_bwd(dy, y, scale):
     short = _short_launch(n_rows, Lk)
     if short is not None:
         block_m, block_n, num_warps = short
-        torch.library.wrap_triton(_softmax_bwd_kernel)[(-(-n_rows // block_m),)](
+        torch.library.wrap_triton(_softmax_bwd_kernel)[(tuning.cdiv(n_rows, block_m),)](
             dx, dy, y, n_rows, Lk, *common, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps)
     else:

@@ -42,6 +42,19 @@ def limit(configs):
     return list(configs) if AUTOTUNE else list(configs)[:1]
 
 
+def cdiv(a, b):
+    """``ceil(a / b)`` on the host: what ``triton.cdiv`` computes, without its cost there
+    (since Triton 3.4 it is a constexpr function, ~2 us a call from Python; a launcher makes
+    several a call, and small ops are host-bound on a GPU: bench/host_overhead.py). Symbolic
+    sizes (torch.compile) go through unchanged."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n):
+    """``triton.next_power_of_2(n)`` on the host (0 for 0), for the same reason as :func:`cdiv`."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def bucket(n):
     """The autotuning key of a size: the next power of two (1 for 0). Kernels take it as an
     extra argument keyed on instead of the exact size, so a generation loop over lengths

@@ -450,7 +450,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
     seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
     block_m, block_n, warps = _tiles(D, Dv)
-    grid = (triton.cdiv(max_q, block_m), batch, H)
+    grid = (tuning.cdiv(max_q, block_m), batch, H)
     torch.library.wrap_triton(_varlen_fwd_kernel)[grid](
         q, k, v, out, lse, cu_q, cu_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -495,14 +495,14 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
         _bwd_delta(out, dout, delta, (0, out.stride(1), out.stride(0), 0, dout.stride(1),
                                       dout.stride(0)), H, H, total_q, Dv)
     if max_k:
-        torch.library.wrap_triton(_varlen_dkdv_kernel)[(triton.cdiv(max_k, block_n), batch, Hkv)](
+        torch.library.wrap_triton(_varlen_dkdv_kernel)[(tuning.cdiv(max_k, block_n), batch, Hkv)](
             q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             *scalars, **consts,
         )
     if max_q:
-        torch.library.wrap_triton(_varlen_dq_kernel)[(triton.cdiv(max_q, block_m), batch, H)](
+        torch.library.wrap_triton(_varlen_dq_kernel)[(tuning.cdiv(max_q, block_m), batch, H)](
             q, k, v, dout, lse, delta, dq, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
@@ -515,7 +515,7 @@ def _num_splits(device, programs, key_tiles):
     """Key splits so that about two programs run per SM (of kernels.tuning's target), at most
     one per key tile."""
     sms = tuning.num_sms(device)
-    return max(1, min(triton.cdiv(2 * sms, max(programs, 1)), key_tiles))
+    return max(1, min(tuning.cdiv(2 * sms, max(programs, 1)), key_tiles))
 
 
 def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom_right, left, right,
@@ -534,11 +534,11 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
     max_len = block_table.shape[1] * block_size
     rows = (H // Hkv) * Lq
     tile_m, block_n, warps = _tiles(D, Dv)
-    block_m = max(16, min(triton.next_power_of_2(rows), tile_m))
-    row_tiles = triton.cdiv(rows, block_m)
-    key_tiles = max(1, triton.cdiv(max_len, block_n))
+    block_m = max(16, min(tuning.next_power_of_2(rows), tile_m))
+    row_tiles = tuning.cdiv(rows, block_m)
+    key_tiles = max(1, tuning.cdiv(max_len, block_n))
     splits = num_splits or _num_splits(q.device, B * Hkv * row_tiles, key_tiles)
-    split_len = triton.cdiv(triton.cdiv(max(max_len, 1), splits), block_n) * block_n
+    split_len = tuning.cdiv(tuning.cdiv(max(max_len, 1), splits), block_n) * block_n
     o_part = torch.empty((B, H, Lq, splits, Dv), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, Lq, splits), dtype=torch.float32, device=q.device)
     block_table = block_table.contiguous()
