@@ -11,6 +11,7 @@ machine without a GPU. ``None`` (the default) means the current device.
 """
 
 import os
+import sys
 
 import torch
 
@@ -95,3 +96,45 @@ def check_layout(kernels, name, t, dtypes):
     if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"the triton {kernels} kernels take {name} with a unit last stride, got "
                          f"shape {tuple(t.shape)} with strides {tuple(t.stride())}")
+
+
+def config_text(config, launch_kwargs=None):
+    """A launch's config in short: block sizes, warps and stages, "ws" when warp-specialized,
+    "r<n>" with a register cap (e.g. "128x64 w8s3 r255"); ``config`` None: read from the
+    launch's own keywords (kernels that are not autotuned)."""
+    if config is None:
+        kwargs = launch_kwargs or {}
+        blocks = {k: v for k, v in kwargs.items() if k.startswith("BLOCK")}
+        warps, stages = kwargs.get("num_warps", 4), kwargs.get("num_stages", 3)
+    else:
+        blocks = {k: v for k, v in config.kwargs.items() if k.startswith("BLOCK")}
+        warps, stages = config.num_warps, config.num_stages
+    text = "x".join(str(v) for v in blocks.values()) + f" w{warps}s{stages}"
+    if config is not None and config.kwargs.get("WARP_SPECIALIZE"):
+        text += " ws"
+    if config is not None and getattr(config, "maxnreg", None):
+        text += f" r{config.maxnreg}"
+    return text
+
+
+def _autotuners():
+    from triton.runtime.autotuner import Autotuner
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fastattn.kernels.") and module is not None:
+            for attr, value in vars(module).items():
+                if isinstance(value, Autotuner):
+                    yield attr, value
+
+
+def chosen_configs(reset=False):
+    """``{kernel: config_text}`` of every autotuned kernel that has launched since the last
+    ``reset`` (its Autotuner's ``best_config``: the config of its last launch), for the record
+    of a benchmark; ``reset=True`` forgets them first and returns ``{}``. Kernels launched bare
+    through ``wrap_triton`` outside their op are not seen (fastattn.testing.launching_directly)."""
+    chosen = {}
+    for attr, tuner in _autotuners():
+        if reset:
+            tuner.best_config = None
+        elif getattr(tuner, "best_config", None) is not None:
+            chosen[attr.strip("_")] = config_text(tuner.best_config)
+    return chosen

@@ -585,3 +585,20 @@ def test_autotune_off_keeps_the_first_pruned_config(monkeypatch, tuned):
     assert len(attn._prune(configs, {}, **args)) == 2  # 128-row tiles dropped
     monkeypatch.setattr(tuning, "AUTOTUNE", False)
     assert [c.kwargs["BLOCK_M"] for c in attn._prune(configs, {}, **args)] == [64]
+
+
+def test_chosen_configs_name_what_autotuning_ran():
+    """``kernels.tuning.chosen_configs`` (what ``fastattn bench`` records per Triton row on a
+    GPU): the config of each autotuned kernel launched since the reset, in short form."""
+    import fastattn
+    from fastattn.kernels import tuning
+
+    assert tuning.chosen_configs(reset=True) == {}
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, k, v, dout = _inputs(1, 2, 2, 33, 33, 16, 16, dtype)
+    q.requires_grad_(True)
+    fastattn.attention(q, k, v, backend="triton").backward(dout)
+    chosen = tuning.chosen_configs()
+    assert {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"} <= set(chosen)
+    assert chosen["attn_fwd_kernel"] == tuning.config_text(attn._attn_fwd_kernel.best_config)
+    assert tuning.chosen_configs(reset=True) == {} and tuning.chosen_configs() == {}

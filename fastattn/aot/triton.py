@@ -393,22 +393,6 @@ def _jit_function(fn):
     return fn
 
 
-def _config_text(config, kwargs):
-    if config is None:
-        blocks = {k: v for k, v in kwargs.items() if k.startswith("BLOCK")}
-        meta = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    else:
-        blocks = {k: v for k, v in config.kwargs.items() if k.startswith("BLOCK")}
-        meta = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    text = "x".join(str(v) for v in blocks.values())
-    text += f" w{meta.get('num_warps', 4)}s{meta.get('num_stages', 3)}"
-    if config is not None and config.kwargs.get("WARP_SPECIALIZE"):
-        text += " ws"
-    if config is not None and getattr(config, "maxnreg", None):
-        text += f" r{config.maxnreg}"
-    return text
-
-
 def _ptxas_log(kernel, arch):
     """``ptxas -v`` of the compiled kernel's PTX (Triton's own log is not kept)."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -429,7 +413,7 @@ def compile_variant(launch, config, target=H100):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fastattn.kernels import descriptors
+    from fastattn.kernels import descriptors, tuning
 
     fn = _jit_function(launch.fn)
     kwargs = _launch_kwargs(launch, config)
@@ -439,7 +423,7 @@ def compile_variant(launch, config, target=H100):
     case = launch.case
     if case.startswith("attention"):
         case += " [tma]" if launch.path == "1" else " [ptr]"
-    row = Row(kernel=name, case=case, config=_config_text(config, kwargs),
+    row = Row(kernel=name, case=case, config=tuning.config_text(config, kwargs),
               smem_limit=target.get("shared_bytes", 0))
     row.spill_budget = max([budget for (kernel, word), (budget, _) in SPILL_BUDGET.items()
                             if kernel == name and word in row.case.split()] or [0])

@@ -68,6 +68,7 @@ class Case:
     grad_reference: Callable[..., Any] | None = None
     params: dict = dataclasses.field(default_factory=dict)
     sweep: str | None = None
+    tuned: dict | None = None  # fastattn-triton on a GPU: {kernel: the config autotuning chose}
     cpu_memory: bool = False  # on a CPU, also measure each provider's peak memory (one more call)
 
 
@@ -370,6 +371,14 @@ def cpu_peak_mb(call: Callable[[], Any]) -> float:
     return peak / 2**20
 
 
+def _chosen_configs(reset=False) -> dict:
+    try:
+        from fastattn.kernels import tuning
+    except ImportError:  # no Triton
+        return {}
+    return tuning.chosen_configs(reset)
+
+
 def run_case(
     case: Case, providers: dict[str, Callable], device: torch.device, budget_s: float | None = None
 ) -> list[Result]:
@@ -397,6 +406,9 @@ def run_case(
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 base_mem = torch.cuda.memory_allocated(device)
+            tuned = device.type == "cuda" and name.startswith("fastattn-triton")
+            if tuned:
+                _chosen_configs(reset=True)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
@@ -426,6 +438,8 @@ def run_case(
             if device.type == "cuda":
                 row.ms, row.ms_p20, row.ms_p80 = time_fn(call, device, budget_s, warmup=False)
                 row.peak_mem_mb = (torch.cuda.max_memory_allocated(device) - base_mem) / 2**20
+                if tuned:  # (which configs the numbers are of: the next change starts there)
+                    row.tuned = _chosen_configs() or None
             else:  # the first call above (with its backward) was the warm-up
                 pending.append((row, call))
         except Exception as exc:  # a provider that cannot run a case says why; the run goes on
