@@ -205,3 +205,35 @@ def test_the_eager_fast_path_applies_the_registered_formula(case, monkeypatch):
     with torch.no_grad():  # nothing to differentiate: no graph at all
         out = fn(*inputs)
     assert all(o.grad_fn is None for o in (out if isinstance(out, tuple) else (out,)))
+
+
+def _mode_calls(backend, device):
+    """(public call, its inputs, the registered op a dispatch mode must see), small inputs."""
+    kernel = "" if backend in ("cpu", "cuda") else f"{backend}_"
+    x, w, b = (torch.randn(*s, device=device) for s in ((8, 32), (32,), (32,)))
+    return [
+        (lambda x, w, b: fastattn.layer_norm(x, (32,), w, b, backend=backend), (x, w, b),
+         f"{kernel}layer_norm_fwd"),
+        (lambda s: fastattn.scaled_masked_softmax(s, None, 0.5, backend=backend),
+         (torch.randn(2, 3, 5, 7, device=device),), f"{kernel}softmax_fwd"),
+        (lambda q: fastattn.attention(q, q, q, backend=backend),
+         (torch.randn(1, 2, 9, 16, device=device),), f"{kernel}attention_fwd"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])
+def test_dispatch_modes_see_the_registered_op(backend):
+    """The eager fast paths (below autograd; a Python op's own function without the dispatcher)
+    step aside under a dispatch mode: make_fx / export tracing and FakeTensorMode must meet the
+    registered op and its fake implementation, never the kernels inside it (calling a Triton op's
+    function directly there once reached the launcher with fake tensors)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from conftest import backend_params
+    param = next(p for p in backend_params("layer_norm") if p.values[0] == backend)
+    if param.marks:
+        pytest.skip(param.marks[0].kwargs["reason"])
+    for call, inputs, op in _mode_calls(backend, param.values[1]):
+        graph = make_fx(call, tracing_mode="fake")(*inputs).graph
+        targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+        assert f"fastattn.{op}.default" in targets, (op, targets)

@@ -54,6 +54,7 @@ DEFINED: dict[str, OpDef] = {}
 
 _TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
 _ANY_REQUIRES_GRAD = getattr(torch._C, "_any_requires_grad", None)
+_DISPATCH_MODES = torch._C._len_torch_dispatch_stack
 # The per-call tests below, bound once: every op call makes them, and a call in a model runs
 # cold, where each attribute lookup through torch's module dicts is a cache miss (measured right
 # after an FFN: torch.is_grad_enabled() 2.2 us, bound 0.7; torch.compiler.is_compiling() 6.2,
@@ -65,10 +66,13 @@ BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 
 def plain_eager() -> bool:
     """Whether this call runs in plain eager mode: no torch.compile tracing, no functorch
-    transform (vmap, grad, jvp) and no forward-AD level around it. There a registered op may be
-    called below autograd (:func:`eager_autograd`)."""
+    transform (vmap, grad, jvp), no forward-AD level and no dispatch mode (FakeTensorMode,
+    make_fx and export's tracers, FlopCounterMode) around it. There a registered op may be
+    called below autograd (:func:`eager_autograd`), and a Python op's own function without the
+    dispatcher (:func:`op_callable`): a mode must see the op, not the kernels inside it."""
     return (_TRANSFORMS_ACTIVE is not None and not IS_COMPILING()
-            and not _TRANSFORMS_ACTIVE() and fwAD._current_level < 0)
+            and not _TRANSFORMS_ACTIVE() and fwAD._current_level < 0
+            and not _DISPATCH_MODES())
 
 
 class _EagerAutograd(torch.autograd.Function):
@@ -141,8 +145,16 @@ def eager_autograd(fwd: Callable, setup_context: Callable | None = None,
 
 
 def op_callable(op: Callable) -> Callable:
-    """What calling ``op`` runs: an OpOverload's C++ callable (its Python ``__call__`` only
-    forwards to it; one frame less per call), anything else itself."""
+    """What calling ``op`` runs, for the plain-eager fast paths (below autograd, no tracing): an
+    OpOverload's C++ callable (its Python ``__call__`` only forwards to it; one frame less per
+    call); a Python custom op's own function when it has no per-device kernels, which is what its
+    dispatcher entry would call (for the Triton ops, ``torch.library.triton_op``'s eager function,
+    ``wrap_triton`` off), without the round trip through the dispatcher and its aliasing check
+    (~5 us a call on the CPU here; small Triton ops are host-bound on a GPU, H100 run of
+    2026-11-26); anything else itself."""
+    init = getattr(op, "_init_fn", None)  # torch.library.CustomOpDef (its default kernel: key None)
+    if init is not None and set(getattr(op, "_backend_fns", None) or {}) <= {None}:
+        return init
     return getattr(op, "_op", op)
 
 
