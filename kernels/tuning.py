@@ -52,8 +52,12 @@ def cdiv(a, b):
 
 
 def next_power_of_2(n):
-    """``triton.next_power_of_2(n)`` on the host (0 for 0), for the same reason as :func:`cdiv`."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
+    """``triton.next_power_of_2(n)`` on the host (0 for 0), for the same reason as :func:`cdiv`;
+    the same bit arithmetic, so a symbolic size under torch.compile passes as it did there."""
+    n -= 1
+    for shift in (1, 2, 4, 8, 16, 32):
+        n |= n >> shift
+    return n + 1
 
 
 def bucket(n):
