@@ -352,3 +352,13 @@ def test_cpu_timings_do_not_pay_page_faults_of_reallocated_tensors():
     policy, faults = out.stdout.split("\n")[:2]
     assert policy.startswith("glibc, mmap above")
     assert float(faults) < 250  # measured 0 in 15 runs (after one warm-up round: 0-103)
+
+
+def test_a_rows_tuned_configs_survive_the_json(tmp_path):
+    """``tuned`` (the autotuned configs a GPU Triton row ran) is written and read back."""
+    row = bench.Result("attention", "1x2x64x64x16", "bfloat16", "fwd", "fastattn-triton", ms=0.5,
+                       tuned={"attn_fwd_kernel": "128x64 w8s3"})
+    path = str(tmp_path / "run.json")
+    bench.write_json(path, [row, bench.Result("attention", "x", "bfloat16", "fwd", "naive")], {})
+    results, _env = bench.load_json(path)
+    assert results[0].tuned == {"attn_fwd_kernel": "128x64 w8s3"} and results[1].tuned is None

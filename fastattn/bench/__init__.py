@@ -68,7 +68,6 @@ class Case:
     grad_reference: Callable[..., Any] | None = None
     params: dict = dataclasses.field(default_factory=dict)
     sweep: str | None = None
-    tuned: dict | None = None  # fastattn-triton on a GPU: {kernel: the config autotuning chose}
     cpu_memory: bool = False  # on a CPU, also measure each provider's peak memory (one more call)
 
 
@@ -93,6 +92,7 @@ class Result:
     error: str | None = None
     params: dict = dataclasses.field(default_factory=dict)
     sweep: str | None = None
+    tuned: dict | None = None  # fastattn-triton on a GPU: {kernel: the config autotuning chose}
 
     @property
     def tokens_per_s(self) -> float | None:
