@@ -233,14 +233,20 @@ _OPERAND_VALUES = 144
 _SHARED_BYTES = 227 * 1024
 
 
-def _shared_bytes(kernel, bm, bn, block_d, block_dv, elem_bytes, stages):
+def _shared_bytes(kernel, bm, bn, block_d, block_dv, elem_bytes, stages, mask_bytes=0):
     """Shared memory of one program: the key/value (dK/dV: query/dO) tiles of every pipeline
-    stage, and the tiles that stay (forward: q; dQ: q and dO; dK/dV: k and v)."""
+    stage, and the tiles that stay (forward: q; dQ: q and dO; dK/dV: k and v); with a mask
+    tensor of ``mask_bytes`` an element, the forward and dQ also stage its BM x BN tiles in all
+    stages but one. Exact for every 64- and 128-row forward and dQ config of the gate's mask
+    cases (Triton 3.6, sm_90, 2026-11-26: e.g. forward 128x64 w8s3 D128, 131,072 B plain,
+    163,840 with a bf16 mask, 196,608 with a float32 one); above what Triton asks for on
+    smaller tiles."""
     width = (block_d + block_dv) * elem_bytes
     if kernel == "dkdv":
         return stages * bm * width + bn * width
     resident = block_d if kernel == "fwd" else block_d + block_dv
-    return stages * bn * width + bm * resident * elem_bytes
+    return (stages * bn * width + bm * resident * elem_bytes
+            + max(stages - 1, 0) * bm * bn * mask_bytes)
 
 
 def _live_values(kernel, bm, bn, block_d, block_dv, elem_bytes, warps, mask=False,
@@ -309,8 +315,10 @@ def _measured_clean(kernel, config, args):
     """Configs the register model rejects that compile without spills on sm_90 (Triton 3.6,
     ``fastattn.aot``, 2026-11-26): dK/dV 64x64 w8 with two stages at BLOCK_D 128 on the
     descriptor path, 16-bit (252-255 registers, 0 B, every D128 case of the gate: plain, causal,
-    window; with three stages it spills 56-76 B, on the pointer path 60-136 B)."""
+    window; with three stages it spills 56-76 B, on the pointer path 60-136 B). Not with a mask
+    tensor or dropout: with a float32 bias and dropout it spills 80/124 B (the same day)."""
     return (kernel == "dkdv" and args["USE_TMA"] and args["BLOCK_D"] == 128
+            and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
             and args["BLOCK_DV"] == 128 and args["Q"].element_size() == 2
             and (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
                  config.num_stages) == (64, 64, 8, 2))
@@ -393,9 +401,12 @@ def _prune(configs, named_args, kernel, **kwargs):
                             args["BLOCK_DV"], elem_bytes, c.num_warps,
                             mask=args["HAS_MASK"] and not args["USE_TMA"], operands=operands(c))
 
+    mask_bytes = args["Mask"].element_size() if args["HAS_MASK"] and "Mask" in args else 0
+
     def fits_shared(c):
         return _shared_bytes(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
-                             args["BLOCK_DV"], elem_bytes, c.num_stages) <= _SHARED_BYTES
+                             args["BLOCK_DV"], elem_bytes, c.num_stages,
+                             mask_bytes) <= _SHARED_BYTES
 
     limit = _VALUES_PER_THREAD[kernel] * (_POINTER_WIDE if wide and not args["USE_TMA"] else 1)
     mask_limit = limit  # (the forward's mask tile on the pointer path, above)

@@ -27,6 +27,7 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from torch._subclasses.fake_tensor import is_fake
 
 from . import tuning
@@ -156,13 +157,18 @@ def launch(run, tma, ws_candidate=False):
     fail to build or run that on this GPU, the feature at fault (warp specialization when it
     was a candidate, else descriptors) is switched off for the process, logged once at debug
     level (and shown by :func:`tma_status`), and the launch repeated; the pointer path computes
-    the same result."""
+    the same result. A config over the GPU's resources (``OutOfResources``: shared memory,
+    registers) is the pruner's fault, not the feature's: it is raised as it is. (Autotuning
+    skips such configs itself; with autotuning off one used to switch descriptors off for the
+    whole process, silently.)"""
     while tma and "tma" not in disabled:
         if torch.cuda.is_available() and not tuning.INTERPRET:
             _ensure_allocator()
         try:
             run(True)
             return
+        except OutOfResources:
+            raise
         except Exception as exc:  # noqa: BLE001 - any build/launch failure of this path
             ws_tried = ws_candidate and warp_specialize_ok()
             feature = "warp_specialize" if ws_tried else "tma"

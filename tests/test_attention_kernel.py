@@ -317,12 +317,49 @@ def test_tma_failure_falls_back_once(monkeypatch):
     assert descriptors.tma_status()["default_path"] == "pointer"
 
 
+def test_a_config_out_of_resources_is_raised_and_switches_nothing_off(monkeypatch):
+    """A config over the GPU's shared memory is the pruner's fault: raised as it is, with the
+    descriptor path left on (it used to switch that off for the process, silently)."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(descriptors, "disabled", {})
+    tried = []
+
+    def launch(use_tma):
+        tried.append(use_tma)
+        raise OutOfResources(246784, 232448, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        descriptors.launch(launch, True, ws_candidate=True)
+    assert tried == [True] and descriptors.disabled == {}
+
+
 @pytest.fixture
 def tuned(monkeypatch):
     """Autotuning on, as users run it (the GPU test suite turns it off: tests/conftest.py), for
     the tests of what the pruners keep."""
     from fastattn.kernels import tuning
     monkeypatch.setattr(tuning, "AUTOTUNE", True)
+
+
+def test_the_shared_memory_model_counts_the_mask_tiles(tuned):
+    """A mask tensor's BM x BN tiles are staged in shared memory too (all stages but one): on
+    the descriptor path D64 128x128 w8s3 with a float32 bias asked for 246,784 B of the H100's
+    232,448 (fastattn.aot), and the pruner kept it. The model now predicts 245,760 for it."""
+    big = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3)
+    small = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+
+    def kept(mask_dtype):
+        args = dict(BLOCK_D=64, BLOCK_DV=64, USE_TMA=True, HAS_MASK=mask_dtype is not None,
+                    MASK_BOOL=False, HAS_DROPOUT=True, HEAD_DIM=64, lq_bucket=4096,
+                    Q=torch.empty(0, dtype=torch.bfloat16))
+        if mask_dtype is not None:
+            args["Mask"] = torch.empty(0, dtype=mask_dtype)
+        return [c for c in attn._prune([big, small], {}, kernel="fwd", **args)  # (never empty)
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == (128, 128)]
+
+    assert attn._shared_bytes("fwd", 128, 128, 64, 64, 2, 3, mask_bytes=4) == 245760
+    assert kept(None) and kept(torch.bfloat16) and not kept(torch.float32)
 
 
 def test_warp_specialized_configs_only_where_allowed(monkeypatch, tuned):
@@ -546,6 +583,7 @@ def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, ca
         return kept[:1]
 
     failures = []
+    monkeypatch.setattr(descriptors, "disabled", {})  # (a fallback below is a failure, by name)
     try:
         monkeypatch.setattr(fn, "prune_configs", record)
         fn.cache.clear()
@@ -559,6 +597,9 @@ def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, ca
             except triton.runtime.errors.OutOfResources as e:
                 failures.append(f"{config}: {e}")
                 continue
+            if descriptors.disabled:  # the descriptor path failed and the pointer path ran
+                failures.append(f"{config}: descriptor path switched off: {descriptors.disabled}")
+                descriptors.disabled.clear()
             assert fn.best_config is config
             dead = np.isneginf(r_lse)  # fully masked rows (the bias mask has one)
             try:

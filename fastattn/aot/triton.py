@@ -137,11 +137,13 @@ def _attention_cases():
                     Case("attention", f"{tag} L4k dropout", attn(d, dtype, dropout=0.1),
                          tune=tune),
                     # a float32 bias (allowed with 16-bit inputs) and dropout at once: the
-                    # pointer path's largest tiles (the H100 run of 2026-11-26 met a D128
-                    # forward config over the shared-memory limit here)
+                    # largest mask tiles, on both paths (the H100 run of 2026-11-26 met a D128
+                    # forward config over the shared-memory limit here; on the descriptor
+                    # path D64 128x128 w8s3 asked for 246,784 B before the pruner counted
+                    # the mask's staged tiles)
                     Case("attention", f"{tag} L1k fp32 mask+dropout",
                          attn(d, dtype, L=1024, mask="float", dropout=0.25,
-                              mask_dtype=torch.float32), tune=tune),
+                              mask_dtype=torch.float32), tune=tune, paths=("1", "0")),
                     Case("attention", f"{tag} L4k window", attn(d, dtype, window=(256, 0)),
                          paths=("1",), tune=False),
                     # the JVP kernel (kernels/attention_jvp.py: pointer path only); not in the
