@@ -554,7 +554,7 @@ _AUTOTUNED = {"fwd": attn._attn_fwd_kernel, "dkdv": attn._attn_bwd_dkdv_kernel,
 @pytest.mark.parametrize("kernel", list(_AUTOTUNED))
 @pytest.mark.parametrize("d, causal, mask_kind, p", [
     (64, False, None, 0.0), (64, True, None, 0.0), (128, False, None, 0.0), (128, True, None, 0.0),
-    (128, False, "bias", 0.25),  # the mask and dropout prune rules (pointer path)
+    (128, False, "bias", 0.25),  # the mask and dropout prune rules (descriptor path first)
 ], ids=lambda x: str(x))
 def test_every_autotuned_config_matches_the_reference(monkeypatch, kernel, d, causal, mask_kind,
                                                        p):
