@@ -237,3 +237,56 @@ def test_dispatch_modes_see_the_registered_op(backend):
         graph = make_fx(call, tracing_mode="fake")(*inputs).graph
         targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
         assert f"fastattn.{op}.default" in targets, (op, targets)
+
+
+def test_eager_first_calls_a_python_ops_function_in_a_plain_backward(monkeypatch):
+    """``_library.eager_first``: the fast path's backward ops call the op's own function where
+    grad mode is off in plain eager mode, and the registered op anywhere else (create_graph,
+    tracing); C++ ops keep their dispatcher callable."""
+    calls = []
+
+    class PythonOp:  # a torch.library.CustomOpDef's shape: its default kernel only
+        _backend_fns = {None: object()}
+
+        def _init_fn(self, x):
+            calls.append("function")
+            return x
+
+        def __call__(self, x):
+            calls.append("op")
+            return x
+
+    bwd = _library.eager_first(PythonOp())
+    with torch.no_grad():
+        bwd(1)
+    bwd(2)  # grad mode on (a double backward)
+    monkeypatch.setattr(_library, "plain_eager", lambda: False)
+    with torch.no_grad():
+        bwd(3)
+    assert calls == ["function", "op", "op"]
+    assert _library.eager_first(None) is None
+    if _extension.loaded():
+        op = torch.ops.fastattn.layer_norm_bwd.default
+        assert _library.eager_first(op) is not op and _library.op_callable(op) is op._op
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_the_backward_fast_path_gives_the_registered_ops_bits(backend, monkeypatch):
+    """Forward and backward through the eager fast paths (the op's own function, eager_first's
+    backward) equal torch.library's path, bit for bit."""
+    from conftest import backend_params
+    param = next(p for p in backend_params("layer_norm") if p.values[0] == backend)
+    if param.marks:
+        pytest.skip(param.marks[0].kwargs["reason"])
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((5, 40), (40,), (40,)))
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = fastattn.layer_norm(leaves[0], (40,), leaves[1], leaves[2], backend=backend)
+        return (y, *torch.autograd.grad(y, leaves, torch.linspace(-1, 1, y.numel()).view(y.shape)))
+
+    fast = grads()
+    monkeypatch.setattr(_library, "plain_eager", lambda: False)
+    for a, b_ in zip(fast, grads()):
+        assert torch.equal(a, b_)

@@ -29,8 +29,8 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    BELOW_AUTOGRAD, IS_COMPILING, check_like, define_op, empty_or_none, forward_ad_needs,
-    last_dim_contiguous, no_autograd, op_callable, triton_kernels,
+    BELOW_AUTOGRAD, IS_COMPILING, check_like, define_op, eager_first, empty_or_none,
+    forward_ad_needs, last_dim_contiguous, no_autograd, op_callable, triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -502,7 +502,8 @@ _DEFINED = define_op(
 # name -> (fwd, bwd, jvp, op) of the compiled backends: the registered function, the ops of
 # _Attention's derivatives, and the forward op's own callable (called directly when nothing is
 # differentiated: fewer Python steps, each costly in a model where every call runs cold).
-_COMPILED: dict[str, tuple] = {name: (_DEFINED.registered[name], c.bwd, c.jvp, op_callable(c.fwd))
+_COMPILED: dict[str, tuple] = {name: (_DEFINED.registered[name], eager_first(c.bwd), c.jvp,
+                                      op_callable(c.fwd))
                                for name, c in _DEFINED.compiled.items()}
 
 
