@@ -156,9 +156,9 @@ CALLS: dict[str, list[Step | Lanes]] = {
     # 2. The quick benchmark, right after "check" while the machine is warm and keeps the build:
     #    host vs kernel time of the small ops; softmax and layer norm bandwidth; attention D128
     #    then D64, L 1k-16k, fwd and fwd+bwd, causal and not, bf16, against each SDPA backend
-    #    (FlexAttention and torch.compile compile every shape: they are in "full"). Autotuned: check's every-config test has put the
-    #    kernels in Triton's cache; a step cut short keeps the cases it finished (--json is
-    #    written after each).
+    #    (FlexAttention and torch.compile compile every shape: they are in "full"). Autotuned:
+    #    check's every-config test has put the kernels in Triton's cache; a step cut short
+    #    keeps the cases it finished (--json is written after each).
     "bench": [
         _INSTALL, _WARM_BUILD,
         # (the H100, 2026-11-26: bandwidth 36 s of softmax, its torch.compile peers included,

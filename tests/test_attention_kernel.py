@@ -523,7 +523,7 @@ def test_warp_specialized_loop(monkeypatch, request, d, tile):
     if DEVICE == "cuda":
         request.applymarker(pytest.mark.xfail(
             strict=True, raises=AssertionError,
-            reason="the warp-specialized loop computes wrong outputs on Hopper (H100 run, 2026-11-26)"))
+            reason="the warp-specialized loop computes wrong outputs on Hopper (H100, 2026-11-26)"))
     if DEVICE == "cpu" and (d, tile) != (64, (128, 64, 4, 3)):
         pytest.skip("the interpreter runs the plain loop: one case shows the keyword is taken")
     monkeypatch.setattr(descriptors, "TMA", "1")

@@ -321,7 +321,7 @@ def test_nan_rule_warp_specialized_fixup(monkeypatch, request):
     if torch.cuda.is_available():
         request.applymarker(pytest.mark.xfail(
             strict=False, raises=AssertionError,
-            reason="the warp-specialized loop computes wrong outputs on Hopper (H100 run, 2026-11-26)"))
+            reason="the warp-specialized loop computes wrong outputs on Hopper (H100, 2026-11-26)"))
     monkeypatch.setattr(descriptors, "TMA", "1")
     monkeypatch.setattr(descriptors, "WARP_SPECIALIZE", "1")
     monkeypatch.setattr(descriptors, "disabled", {})
