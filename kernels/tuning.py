@@ -122,12 +122,16 @@ def config_text(config, launch_kwargs=None):
 
 
 def _autotuners():
+    """(name, Autotuner) of every autotuned kernel in the loaded kernel modules, once each
+    (launcher modules import their kernels by name)."""
     from triton.runtime.autotuner import Autotuner
+    found = {}
     for name, module in list(sys.modules.items()):
         if name.startswith("fastattn.kernels.") and module is not None:
             for attr, value in vars(module).items():
                 if isinstance(value, Autotuner):
-                    yield attr, value
+                    found[id(value)] = (attr, value)
+    return found.values()
 
 
 def chosen_configs(reset=False):

@@ -320,6 +320,37 @@ def cpp_backends(name: str) -> list[str]:
     return [b for b, key in keys if torch._C._dispatch_has_kernel_for_dispatch_key(f"fastattn::{name}", key)]
 
 
+def broadcast_shapes(*shapes) -> torch.Size:
+    """``torch.broadcast_shapes``, in plain Python for int shapes: torch's costs 15-30 us a call,
+    and the public functions check shapes on every call (small ops are host-bound on a GPU).
+    Under torch.compile, and for symbolic sizes, torch's. RuntimeError when they do not
+    broadcast."""
+    if IS_COMPILING() or not all(type(n) is int for s in shapes for n in s):
+        return torch.broadcast_shapes(*shapes)
+    out = [1] * max((len(s) for s in shapes), default=0)
+    for s in shapes:
+        for i, n in enumerate(s, len(out) - len(s)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    raise RuntimeError(f"shapes {[list(t) for t in shapes]} do not broadcast")
+                out[i] = n
+    return torch.Size(out)
+
+
+def broadcasts_to(src, dst) -> bool:
+    """Whether shape ``src`` broadcasts to exactly ``dst`` (a mask to the scores, say): each of
+    its trailing sizes 1 or ``dst``'s (:func:`broadcast_shapes` for symbolic sizes)."""
+    if len(src) > len(dst):
+        return False
+    tail = dst[len(dst) - len(src):]
+    if IS_COMPILING() or not all(type(n) is int for n in (*src, *tail)):
+        try:
+            return torch.broadcast_shapes(src, dst) == tuple(dst)
+        except RuntimeError:
+            return False
+    return all(s == 1 or s == d for s, d in zip(src, tail))
+
+
 def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` with stride 1 in its last dim, as kernels require. Autograd may hand backward a
     broadcast gradient (e.g. of ``y.sum()``, strides all 0); that one is materialized here."""

@@ -29,8 +29,9 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    BELOW_AUTOGRAD, IS_COMPILING, check_like, define_op, eager_first, empty_or_none,
-    forward_ad_needs, last_dim_contiguous, no_autograd, op_callable, triton_kernels,
+    BELOW_AUTOGRAD, IS_COMPILING, broadcast_shapes, broadcasts_to, check_like, define_op,
+    eager_first, empty_or_none, forward_ad_needs, last_dim_contiguous, no_autograd, op_callable,
+    triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -550,13 +551,10 @@ def _validate(q, k, v, mask, dropout_p, enable_gqa, causal, window):
             raise TypeError(f"attn_mask must be bool or floating, got {mask.dtype}")
         if mask.device != device:
             raise ValueError(f"attn_mask is on {mask.device} but query is on {q.device}")
-        try:
-            if mask.dim() > 4 or torch.broadcast_shapes(mask.shape, target) != target:
-                raise RuntimeError
-        except RuntimeError:
+        if not broadcasts_to(mask.shape, target):
             raise ValueError(
                 f"attn_mask of shape {list(mask.shape)} is not broadcastable to (B, H, Lq, Lk) = {list(target)}"
-            ) from None
+            )
         mask = mask.expand(target)
     return mask
 
@@ -632,14 +630,6 @@ def _attend(query, key, value, mask, causal, window, scale, dropout_p, seed, ret
     return (out, lse) if return_lse else out
 
 
-def _broadcast(*shapes) -> tuple:
-    """torch.broadcast_shapes, without its cost (~30 us) in the common case of equal shapes."""
-    first = tuple(shapes[0])
-    if all(tuple(s) == first for s in shapes[1:]):
-        return torch.Size(first)
-    return torch.broadcast_shapes(*shapes)
-
-
 def _sdpa_shapes(q, k, v, attn_mask, dropout_p, enable_gqa):
     """torch's rules for scaled_dot_product_attention's arguments. Returns ``(batch, H, Hkv)``:
     the broadcast leading dims before the heads, and the query and key/value head counts."""
@@ -668,9 +658,9 @@ def _sdpa_shapes(q, k, v, attn_mask, dropout_p, enable_gqa):
                 raise ValueError(f"key {list(k.shape)} and value {list(v.shape)} must share the heads (dim -3)")
             if hkv == 0 or H % hkv:
                 raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({hkv}) (dim -3)")
-            batch = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+            batch = broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         else:
-            lead = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
             batch, H = (lead[:-1], lead[-1]) if lead else (torch.Size(), 1)
             hkv = H
     except RuntimeError:
@@ -684,12 +674,9 @@ def _sdpa_shapes(q, k, v, attn_mask, dropout_p, enable_gqa):
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}")
         target = (*batch, H, q.shape[-2], k.shape[-2])
-        try:
-            if attn_mask.dim() > len(target) or _broadcast(attn_mask.shape, target) != target:
-                raise RuntimeError
-        except RuntimeError:
+        if not broadcasts_to(attn_mask.shape, target):
             raise ValueError(f"attn_mask of shape {list(attn_mask.shape)} is not broadcastable to the "
-                             f"attention weights' shape {list(target)}") from None
+                             f"attention weights' shape {list(target)}")
     return batch, H, hkv
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    check_like, define_op, forward_ad_needs, last_dim_contiguous, triton_kernels,
+    broadcasts_to, check_like, define_op, forward_ad_needs, last_dim_contiguous, triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -106,22 +106,8 @@ def _check(x, mask, is_causal, name="x") -> None:
     if mask.device != x.device:
         raise ValueError(f"mask is on {mask.device} but {name} is on {x.device}")
     shape = tuple(x.shape)
-    if not _broadcasts_to(tuple(mask.shape), shape):
+    if not broadcasts_to(mask.shape, shape):
         raise ValueError(f"mask of shape {list(mask.shape)} is not broadcastable to {name}'s shape {list(shape)}")
-
-
-def _broadcasts_to(src: tuple, dst: tuple) -> bool:
-    """``torch.broadcast_shapes(src, dst) == dst``, without its per-call cost on plain int shapes
-    (15-25 us a call, and a masked call checked twice: the public function, then the op; that
-    doubled the host time of a masked forward, which the H100 bench of 2026-11-26 then timed).
-    Symbolic shapes (torch.compile) still go through torch's."""
-    if all(type(n) is int for n in src + dst):
-        k = len(src)
-        return k <= len(dst) and all(s == 1 or s == d for s, d in zip(src, dst[len(dst) - k:]))
-    try:
-        return torch.broadcast_shapes(src, dst) == dst
-    except RuntimeError:
-        return False
 
 
 def _check_op(x, mask, name="x") -> None:
