@@ -267,6 +267,11 @@ def _live_values(kernel, bm, bn, block_d, block_dv, elem_bytes, warps, mask=Fals
     return live / (32 * warps)
 
 
+def _mask_bytes(args):
+    """Bytes of a mask element of the launch (0 without a mask tensor)."""
+    return args["Mask"].element_size() if args["HAS_MASK"] and "Mask" in args else 0
+
+
 def _spills(kernel, config, args):
     """Configs the register model above keeps but that spill on sm_90 (Triton 3.6; measured
     with ``fastattn.aot``, bench/aot/README.md), each for the launches it was measured on:
@@ -274,8 +279,8 @@ def _spills(kernel, config, args):
     NaN-rule branch or the tile loop is left to trim."""
     bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
     float_mask = args["HAS_MASK"] and not args.get("MASK_BOOL", True) and not args["USE_TMA"]
-    fp32_mask_dropout = (args["HAS_MASK"] and args["HAS_DROPOUT"] and "Mask" in args
-                         and args["Mask"].element_size() == 4 and args["Q"].element_size() == 2)
+    fp32_mask_dropout = (args["HAS_DROPOUT"] and _mask_bytes(args) == 4
+                         and args["Q"].element_size() == 2)
     return (
         # dQ 32x64 w4 on the descriptor path: spills inside its loop at every head dim (D64 at
         # ptxas's 168 tier, 16/24 B; D80/D128 at 255, 8/12 B; D256 1.5 KB)
@@ -401,7 +406,7 @@ def _prune(configs, named_args, kernel, **kwargs):
                             args["BLOCK_DV"], elem_bytes, c.num_warps,
                             mask=args["HAS_MASK"] and not args["USE_TMA"], operands=operands(c))
 
-    mask_bytes = args["Mask"].element_size() if args["HAS_MASK"] and "Mask" in args else 0
+    mask_bytes = _mask_bytes(args)
 
     def fits_shared(c):
         return _shared_bytes(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"],
