@@ -167,12 +167,14 @@ CALLS: dict[str, list[Step | Lanes]] = {
         # run timed a 6-12 us layer norm at 300 us, its host busy (bench/host_overhead.py).
         Step("host-overhead", [PY, "bench/host_overhead.py", "--json", "{out}/host-overhead.json"],
              50),
-        Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
-                                 "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 100),
-        Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--d", "128", "--no-compile",
-                                      "--json", "{out}/bench-attention-d128.json"], 140),
+        # D64 before D128: its L1k causal case was slow and spread on 2026-11-26 (a rerun, with
+        # the autotuned configs recorded); bandwidth last: host-overhead times those ops too.
         Step("bench-attention-d64", [*_CLI, "bench", *_QUICK_BENCH, "--d", "64", "--no-compile",
                                      "--json", "{out}/bench-attention-d64.json"], 60),
+        Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--d", "128", "--no-compile",
+                                      "--json", "{out}/bench-attention-d128.json"], 140),
+        Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
+                                 "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 100),
     ],
     # 3. Everything else in the suite, in parallel (varlen, paged, JVP, the models and Hugging
     #    Face swaps on the GPU: correctness before the counters).
@@ -206,7 +208,10 @@ CALLS: dict[str, list[Step | Lanes]] = {
 CALLS["triton"] = [_INSTALL, _VERSIONS, _TRITON_INFO, *_smokes("triton"), *_TRITON_TESTS]
 CALLS["cuda"] = [_INSTALL, _BUILD, _CUDA_INFO, *_smokes("cuda"), _CUDA_TESTS]
 CALLS["sanitize"] = [_INSTALL, _BUILD, *_SANITIZE]
-RERUNS = ("triton", "cuda", "sanitize")
+# For a session after one whose CUDA tests passed and whose "rest" never ran: the Triton kernel
+# tests beside the build, then the rest of the suite (which uses the build), in one call.
+CALLS["retest"] = [_INSTALL, _VERSIONS, Lanes([[*_TRITON_TESTS], [_BUILD]]), *CALLS["rest"][2:]]
+RERUNS = ("triton", "cuda", "sanitize", "retest")
 
 
 def _flat(stage: Step | Lanes) -> list[Step]:
