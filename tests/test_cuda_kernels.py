@@ -1,4 +1,5 @@
-"""The CUDA C++ kernels (csrc/cuda: softmax.cu, ffn.cu, attention.cu) against the float64 reference.
+"""The CUDA C++ kernels (csrc/cuda: softmax.cu, ffn.cu, layer_norm.cu, attention.cu) against the
+float64 reference.
 
 GPU only: every test is marked ``gpu`` (skipped on machines without CUDA, see conftest.py) and
 also skips when the extension was built without its CUDA kernels. The public functions are
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fastattn
 from fastattn import reference as ref
@@ -238,6 +240,42 @@ def test_ffn_empty_rows():
 
 # =============================================================================================
 # attention
+# =============================================================================================
+# layer_norm.cu at its shared memory edges: the kernels cache rows (and, backward, the dweight /
+# dbias accumulators) in dynamic shared memory, and 48 KB of it exactly, with the kernel's static
+# arrays beside it, is over the limit a block gets without opting in (the H100, 2026-11-26: the
+# bf16 backward at n = 4096 failed with "invalid argument"). Cases: (dtype, n, affine) with the
+# bytes they ask for: backward 2*n*sizeof(T) + n*4*accumulators, forward n*sizeof(T).
+LN_EDGES = [
+    (torch.bfloat16, 4096, "weight+bias"),  # backward: 16 KB + 32 KB = 48 KB
+    (torch.float32, 3072, "weight+bias"),   # backward: 24 KB + 24 KB
+    (torch.float32, 4096, "weight"),        # backward: 32 KB + 16 KB
+    (torch.bfloat16, 6144, "weight"),       # backward: 24 KB + 24 KB
+    (torch.bfloat16, 24576, None),          # forward: 48 KB; backward: 96 KB (opted in)
+    (torch.float32, 12288, None),           # forward: 48 KB
+    (torch.float32, 65536, "weight+bias"),  # past the opt-in limit: no cache, global accumulators
+]
+
+
+@pytest.mark.parametrize("dtype,n,affine", LN_EDGES, ids=lambda v: str(v).replace("torch.", ""))
+def test_layer_norm_at_the_shared_memory_edges(dtype, n, affine):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, n, generator=gen).to(dtype).to(DEV).requires_grad_()
+    w = (1 + torch.randn(n, generator=gen)).to(dtype).to(DEV).requires_grad_() if affine else None
+    b = torch.randn(n, generator=gen).to(dtype).to(DEV).requires_grad_() \
+        if affine == "weight+bias" else None
+    dy = torch.randn(3, n, generator=gen).to(dtype).to(DEV)
+    y = fastattn.layer_norm(x, (n,), w, b, eps=1e-5, backend="cuda")
+    want_y, _, _ = ref.layer_norm(_np(x), (n,), _np(w), _np(b), 1e-5)
+    assert_close_to_reference(y, want_y, F.layer_norm(x, (n,), w, b, 1e-5), name="y")
+    inputs = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad(y, inputs, dy)
+    base = torch.autograd.grad(F.layer_norm(x, (n,), w, b, 1e-5), inputs, dy)
+    want = ref.layer_norm_backward(_np(dy), _np(x), (n,), _np(w), 1e-5)
+    for name, g, r, bl in zip(("dx", "dweight", "dbias"), got, want, base):
+        assert_close_to_reference(g, r, bl, name=name)
+
+
 # =============================================================================================
 
 ATT_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}

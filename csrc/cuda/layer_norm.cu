@@ -374,11 +374,15 @@ RowGroups row_groups(int n, int elem_bytes, int vec) {
 }
 
 // As many blocks as fit on the device at once (at least 1), and no more than `work`. Raises the
-// kernel's dynamic shared memory limit first when smem_bytes needs it.
+// kernel's dynamic shared memory limit first when smem_bytes needs it: the 48 KB a block gets
+// without opting in counts the kernel's static shared memory too (red[], sums[]), so 48 KB of
+// dynamic memory alone needs it (bf16 backward at n = 4096: "invalid argument" on the H100).
 template <typename Kernel>
 int resident_grid(Kernel kernel, int threads, int64_t smem_bytes, int64_t work) {
   constexpr int64_t kDefaultSmemBytes = 48 * 1024;
-  if (smem_bytes > kDefaultSmemBytes) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (smem_bytes + static_cast<int64_t>(attr.sharedSizeBytes) > kDefaultSmemBytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem_bytes)));
   }
