@@ -11,11 +11,17 @@ each op, mode and provider, on a quiet host (run it before anything compiles):
 * ``host us``: wall time per call of back-to-back calls, no synchronization (the enqueue cost);
 * ``do_bench us``: the median the benchmark reports (what the tables hold);
 * ``kernel us``: the op's CUDA kernels per call from torch.profiler, the L2 flushed before each
-  call (the flush's own fill kernels left out).
+  call (the flush's own fill kernels left out);
+* ``host us 1t``: ``host us`` with the backward run on the calling thread, not autograd's
+  per-device worker thread (the cost of that handoff);
+
+then a cProfile of the layer norm's forward+backward per provider: where the host time goes.
 
 If ``kernel us`` is far under ``do_bench us`` and ``host us`` is over ~90, the table timed the
-host. ``python bench/host_overhead.py --json FILE`` records the rows. About 30-40 s on an H100
-(predicted: it has not run on one yet).
+host. ``python bench/host_overhead.py --json FILE`` records the rows. The H100 run of 2026-11-26
+(before the profile): the Triton layer norm forward 87 us of host for 9 us of kernel, its
+forward+backward 542 us for 44 (the cuda backend's 30 and 234, torch's 21 and 143); the cuda
+backward at 4096x4096 failed (shared memory, fixed since).
 """
 
 from __future__ import annotations
@@ -65,21 +71,69 @@ def _cases(dtype):
     return out
 
 
+_PROFILED = "layer_norm 4096x1024"  # (its Triton fwd+bwd: 542 us of host time for 44 us of
+#                                     kernels on the H100, 2026-11-26; torch's took 143)
+
+
+def _callable(call, inputs, mode):
+    """A no-argument call of ``call``: the forward under no_grad, or forward and backward
+    (``autograd.grad``, so nothing accumulates)."""
+    if mode == "fwd":
+        def fn():
+            with torch.no_grad():
+                return call(*inputs)
+        return fn
+    dout = torch.randn_like(call(*inputs).detach())
+
+    def fn():
+        return torch.autograd.grad(call(*inputs), inputs, dout)
+    return fn
+
+
+def _host_us(fn, calls=100, rounds=5):
+    """Best-of-``rounds`` wall time per call of ``calls`` back-to-back calls (no synchronization)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def _profile(title, fn, calls=200, top=22):
+    """Where the host time of ``fn`` goes: cProfile over ``calls`` calls, the backward run on this
+    thread (cProfile sees one thread), the ``top`` functions by their own time."""
+    import cProfile
+    import io
+    import pstats
+
+    with torch.autograd.set_multithreading_enabled(False):
+        fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    body = text.getvalue().splitlines()
+    print(f"\n--- cProfile: {title}, {calls} calls (times per call: divide by {calls})")
+    print("\n".join(line[:160] for line in body if line.strip())[:6000], flush=True)
+
+
 def _measure(fn, flush, calls=100, rounds=5):
     """(host us, do_bench us, kernel us) of ``fn``; host time: the best of ``rounds`` bursts of
     ``calls`` calls, few enough that the launch queue (~1000 entries) never fills and blocks."""
     import triton.testing
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    host_us = float("inf")
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host_us = min(host_us, (time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
+    host_us = _host_us(fn, calls, rounds)
     med = triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=[0.5])
     med = med[0] if isinstance(med, (list, tuple)) else med
     runs = 50
@@ -107,7 +161,8 @@ def main(argv=None) -> int:
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int, device="cuda")  # do_bench's L2 flush
     rows = []
     print(f"load average {os.getloadavg()}; {torch.cuda.get_device_name()}")
-    print(f"{'case':28} {'mode':8} {'provider':16} {'host us':>8} {'do_bench us':>12} {'kernel us':>10}")
+    print(f"{'case':28} {'mode':8} {'provider':16} {'host us':>8} {'do_bench us':>12} "
+          f"{'kernel us':>10} {'host us 1t':>10}")
     for name, make, providers in _cases(dtype):
         inputs = make()
         dout = None
@@ -115,21 +170,28 @@ def main(argv=None) -> int:
             if provider.startswith("fastattn-") and provider[9:] not in available:
                 continue
             for mode in ("fwd", "fwd_bwd"):
-                if mode == "fwd":
-                    def fn(call=call):
-                        with torch.no_grad():
-                            return call(*inputs)
-                else:
-                    if dout is None:
-                        dout = torch.randn_like(call(*inputs))
-
-                    def fn(call=call):  # (grad, not backward: nothing accumulates)
-                        return torch.autograd.grad(call(*inputs), inputs, dout)
-                host, bench, kernel = _measure(fn, flush)
-                rows.append(dict(case=name, mode=mode, provider=provider, host_us=host,
-                                 do_bench_us=bench, kernel_us=kernel))
-                print(f"{name:28} {mode:8} {provider:16} {host:8.1f} {bench:12.1f} {kernel:10.1f}",
-                      flush=True)
+                row = dict(case=name, mode=mode, provider=provider)
+                try:
+                    fn = _callable(call, inputs, mode)
+                    row.update(zip(("host_us", "do_bench_us", "kernel_us"), _measure(fn, flush)))
+                    # the backward on this thread, not autograd's device thread: the handoff's cost
+                    with torch.autograd.set_multithreading_enabled(False):
+                        row["host_us_one_thread"] = _host_us(fn)
+                except Exception as e:  # (one failing kernel must not hide the others' rows)
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+                    print(f"{name:28} {mode:8} {provider:16} {row['error']}", flush=True)
+                    torch.cuda.synchronize()
+                    continue
+                rows.append(row)
+                print(f"{name:28} {mode:8} {provider:16} {row['host_us']:8.1f} "
+                      f"{row['do_bench_us']:12.1f} {row['kernel_us']:10.1f} "
+                      f"{row['host_us_one_thread']:10.1f}", flush=True)
+        if name == _PROFILED:
+            for provider in ("fastattn-triton", "fastattn-cuda", "torch"):
+                if provider in providers and (not provider.startswith("fastattn-")
+                                              or provider[9:] in available):
+                    _profile(f"{name} fwd_bwd {provider}",
+                             _callable(providers[provider], inputs, "fwd_bwd"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

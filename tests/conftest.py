@@ -43,6 +43,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With FASTATTN_TEST_LOG set (the GPU protocol sets it): each test's outcome and seconds as a
+    line of that file the moment it ends, and a failure's text in FILE.failures, so a run that
+    is killed at its time limit (no junit XML then) still tells which tests ran, failed or
+    crashed their worker. Written by the controlling process only (xdist workers forward their
+    reports to it)."""
+    path = os.environ.get("FASTATTN_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if report.when == "call" or report.outcome != "passed":
+        outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{outcome}\t{report.duration:.2f}\n")
+        if report.failed:
+            with open(path + ".failures", "a") as f:
+                f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+
+
 @pytest.fixture(autouse=True)
 def _poison():
     """Every uninitialized allocation is NaN-filled, so unwritten outputs are caught."""

@@ -62,7 +62,8 @@ def test_overrunning_step_is_killed_and_results_are_packed_after_each_step(tmp_p
     assert "timeout" in (device_out / "test-summary.txt").read_text()
 
 
-def test_lanes_run_side_by_side_and_every_step_is_recorded(tmp_path):
+def test_lanes_run_side_by_side_and_every_step_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)  # (on the device, $OUT is what comes back)
     def sleeps(name):
         return protocol.Step(name, [sys.executable, "-c", "import time; time.sleep(1.5)"], 30)
 
@@ -98,3 +99,24 @@ def test_ncu_table_labels_each_kernel_with_its_case():
     assert lines[2].startswith(f"{labels[0]} | void attn_bwd_dq") and "barrier 4.0, wait 1.0" in lines[2]
     assert lines[3].startswith(f"{labels[1]} |") and lines[3].endswith("wait 3.0, barrier 0.1")
     assert lines[-1] == "metrics this ncu does not know: some__metric"
+
+
+def test_a_test_step_logs_each_test_as_it_ends_even_when_killed(tmp_path, monkeypatch):
+    """The per-test log (tests/conftest.py) is what a killed pytest step leaves: no junit XML."""
+    monkeypatch.delenv("OUT", raising=False)
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tests / "test_x.py").write_text(
+        "import time\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 == 2, 'bad on purpose'\n"
+        "def test_zhangs(): time.sleep(60)\n")
+    step = protocol._tests("t", "-p", "no:randomly", str(tests), junit="t", step_timeout=20,
+                           workers=None)
+    assert protocol.run_call("t", [step], tmp_path / "out") == 1
+    rows = [line.split("\t") for line in (tmp_path / "out" / "t-tests.tsv").read_text().splitlines()]
+    assert [(r[0].split("::")[-1], r[2]) for r in rows] == [("test_ok", "passed"),
+                                                           ("test_bad", "failed")]
+    assert "bad on purpose" in (tmp_path / "out" / "t-tests.tsv.failures").read_text()
+    assert not (tmp_path / "out" / "t.xml").exists()  # killed: the log is all there is
