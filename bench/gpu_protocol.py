@@ -199,14 +199,17 @@ CALLS: dict[str, list[Step | Lanes]] = {
         # run timed a 6-12 us layer norm at 300 us, its host busy (bench/host_overhead.py).
         Step("host-overhead", [PY, "bench/host_overhead.py", "--json", "{out}/host-overhead.json"],
              60),
-        # D64 before D128: its L1k causal case was slow and spread on 2026-11-26 (a rerun, with
-        # the autotuned configs recorded); bandwidth last: host-overhead times those ops too.
-        Step("bench-attention-d64", [*_CLI, "bench", *_QUICK_BENCH, "--d", "64", "--no-compile",
-                                     "--json", "{out}/bench-attention-d64.json"], 60),
+        # D64 before D128, at L1k and 4k: its L1k causal forward was slow and spread on
+        # 2026-11-26, and its autotuning takes 17-25 s a case (2 of 12 cases in 60 s on the
+        # second run); D128 took 118 s both runs; bandwidth last (63 s): host-overhead times
+        # those ops too.
+        Step("bench-attention-d64", [*_CLI, "bench", *_QUICK_BENCH, "--seq", "1024,4096", "--d",
+                                     "64", "--no-compile", "--json",
+                                     "{out}/bench-attention-d64.json"], 100),
         Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--d", "128", "--no-compile",
-                                      "--json", "{out}/bench-attention-d128.json"], 140),
+                                      "--json", "{out}/bench-attention-d128.json"], 120),
         Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
-                                 "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 90),
+                                 "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 70),
     ],
     # 5. Why the attention kernels run as they do: Nsight Compute's counters for one fwd+bwd of
     #    each backend at L4k, D64/D128, causal or not (bench/profile_attention.py).

@@ -64,9 +64,11 @@ def main(argv=None) -> int:
     if args.cuda or both:
         from fastattn.aot.cuda import CudaToolsMissing, cuda_rows
         try:
-            found = cuda_rows(quick=args.quick)
+            found = cuda_rows(quick=args.quick, ops=ops)
         except CudaToolsMissing as exc:
             print(f"fastattn.aot: CUDA kernels not checked ({exc})")
+        except ValueError as exc:  # (an --op with no .cu file)
+            parser.error(str(exc))
         else:
             sections.append(("CUDA extension for sm_90a (setup.py's nvcc flags)", found))
             rows += found

@@ -173,22 +173,30 @@ def compile_file(source: str, out_dir: str, archs: tuple[str, ...]) -> list[Row]
     return rows
 
 
-def cuda_sources() -> list[str]:
+def cuda_sources(ops: list[str] | None = None) -> list[str]:
+    """csrc/cuda/<op>.cu of every op, or of ``ops`` (an unknown op is a ValueError)."""
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
     if not sources:
         raise CudaToolsMissing(f"no CUDA sources under {os.path.join(ROOT, 'csrc', 'cuda')}")
-    return sources
+    if ops is None:
+        return sources
+    by_op = {os.path.splitext(os.path.basename(s))[0]: s for s in sources}
+    unknown = sorted(set(ops) - set(by_op))
+    if unknown:
+        raise ValueError(f"--op: no CUDA source for {unknown}; there are {sorted(by_op)}")
+    return [by_op[op] for op in ops]
 
 
-def cuda_rows(quick: bool = False, jobs: int | None = None) -> list[Row]:
-    """One Row per __global__ kernel of every csrc/cuda/*.cu for sm_90a. Each file is compiled
+def cuda_rows(quick: bool = False, jobs: int | None = None,
+              ops: list[str] | None = None) -> list[Row]:
+    """One Row per __global__ kernel of every csrc/cuda/*.cu (of ``ops``' files) for sm_90a. Each file is compiled
     once, for sm_80 and sm_90a as setup.py builds it (``quick``: sm_90a only, about half the
     time); files compile in parallel (``jobs``, default: the CPU count). Raises CudaToolsMissing
     when nvcc or the sources are not there."""
     if shutil.which("nvcc") is None:
         raise CudaToolsMissing("nvcc not found on PATH")
     archs = ("sm_90a",) if quick else ("sm_80", "sm_90a")
-    sources = cuda_sources()
+    sources = cuda_sources(ops)
     with tempfile.TemporaryDirectory() as out, \
             concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
         results = list(pool.map(lambda s: compile_file(s, out, archs), sources))
