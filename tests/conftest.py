@@ -77,6 +77,34 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def refusal(op, backend, device, dtype, **facts):
+    """Why ``backend`` refuses ``op`` on ``device`` in ``dtype`` (its declared capability, as
+    :func:`fastattn.backends.select` applies it), or None where it takes the call."""
+    try:
+        backends.select(op, torch.device(device), backend, dtype, **facts)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def skip_refused(op, backend, device, dtype, **facts):
+    """Skip a test of one dtype's precision where the backend refuses that dtype (the cuda
+    attention takes float16 / bfloat16 only)."""
+    reason = refusal(op, backend, device, dtype, **facts)
+    if reason:
+        pytest.skip(reason)
+
+
+def dtype_for(op, backend, device, *preferred):
+    """The first dtype of ``preferred`` (default float32) that ``backend`` takes for ``op``, else
+    bfloat16: a test of behaviour written in float32 runs on every backend (the cuda attention
+    takes no float32). Its tolerances must follow the dtype returned."""
+    for dtype in preferred or (torch.float32,):
+        if refusal(op, backend, device, dtype) is None:
+            return dtype
+    return torch.bfloat16
+
+
 def registered_ops(op):
     """pytest params (op overload, device) for the registered compiled ops of ``op``: the C++
     ``fastattn::<op>_fwd`` when the cpu backend has it, and the Triton ``triton_<op>_fwd``."""

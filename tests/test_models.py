@@ -11,7 +11,7 @@ from fastattn.reference import models as reference_models
 from fastattn.models import GPT, GPTConfig, KVCache, Transformer, TransformerConfig
 from fastattn.testing import assert_close_to_reference
 
-from conftest import backend_params
+from conftest import backend_params, dtype_for
 
 F64 = torch.float64
 BACKENDS = backend_params("attention")
@@ -67,13 +67,14 @@ def test_transformer_matches_numpy(norm_first, activation):
 def test_transformer_backends(backend, device):
     torch.manual_seed(0)
     config = TCONF.replace(norm_first=True, tie_embeddings=True)
-    model = Transformer(config, backend=backend, device=device).eval()
+    dt = dtype_for("attention", backend, device)  # (bfloat16 where float32 is refused)
+    model = Transformer(config, backend=backend, device=device, dtype=dt).eval()
     assert model.generator.weight is model.tgt_embed.weight
     src, tgt = _src_tgt()
     with torch.no_grad():
         logits = model(src.to(device), tgt.to(device))
     ref = reference_models.transformer_forward(model.state_dict(), config, src.numpy(), tgt.numpy())
-    assert_close_to_reference(logits, ref, atol=1e-4)
+    assert_close_to_reference(logits, ref, atol=1e-4 if dt == torch.float32 else None)
 
 
 def test_transformer_padding_and_causality():
@@ -140,20 +141,22 @@ def test_gpt_matches_numpy_and_init():
 @pytest.mark.parametrize("backend,device", BACKENDS)
 def test_gpt_backends(backend, device):
     torch.manual_seed(0)
-    model = GPT(GCONF, backend=backend, device=device).eval()
+    dt = dtype_for("attention", backend, device)  # (bfloat16 where float32 is refused)
+    model = GPT(GCONF, backend=backend, device=device, dtype=dt).eval()
     idx = _tokens((2, 6), 17, low=0)
     with torch.no_grad():
         logits, _ = model(idx.to(device))
     ref = reference_models.gpt_forward(model.state_dict(), GCONF, idx.numpy())
-    assert_close_to_reference(logits, ref, atol=1e-4)
+    assert_close_to_reference(logits, ref, atol=1e-4 if dt == torch.float32 else None)
     # Decoding with the cache: the logits of each new token equal those of the full recomputation.
     cache = model.new_cache(2)
     with torch.no_grad():
         prefill, _ = model(idx[:, :4].to(device), cache=cache)
         step, _ = model(idx[:, 4:5].to(device), cache=cache)
     assert cache.length == 5
-    torch.testing.assert_close(prefill, logits[:, :4], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(step[:, 0], logits[:, 4], rtol=1e-4, atol=1e-5)
+    tol = dict(rtol=1e-4, atol=1e-5) if dt == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(prefill, logits[:, :4], **tol)
+    torch.testing.assert_close(step[:, 0], logits[:, 4], **tol)
 
 
 def test_gpt_generate_with_cache_equals_recompute():

@@ -9,7 +9,7 @@ from fastattn import reference
 from fastattn.nn.attention import merge_mha_masks
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params
+from conftest import backend_params, dtype_for
 
 F64 = torch.float64
 ATTN_BACKENDS = backend_params("attention")
@@ -232,32 +232,36 @@ def test_mha_matches_numpy_reference():
 
 @pytest.mark.parametrize("backend,device", ATTN_BACKENDS)
 def test_mha_backends(backend, device):
-    """Each backend (float32): output and weights against the float64 NumPy reference, gradients
-    against torch's module."""
+    """Each backend (float32; bfloat16 where the backend takes no float32): output and weights
+    against the float64 NumPy reference, gradients against torch's module."""
     torch.manual_seed(0)
+    dt = dtype_for("attention", backend, device)
     ref_mod, ours = _pair(
-        torch.nn.MultiheadAttention(16, 2, batch_first=True, device=device),
-        fastattn.nn.MultiheadAttention(16, 2, batch_first=True, device=device, backend=backend),
+        torch.nn.MultiheadAttention(16, 2, batch_first=True, device=device, dtype=dt),
+        fastattn.nn.MultiheadAttention(16, 2, batch_first=True, device=device, dtype=dt,
+                                       backend=backend),
     )
     g = _gen()
-    x = torch.randn(2, 5, 16, generator=g).to(device)
+    x = torch.randn(2, 5, 16, generator=g).to(device, dt)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]], device=device)
-    am = (torch.randn(5, 5, generator=g) * 0.5).to(device)
+    am = (torch.randn(5, 5, generator=g) * 0.5).to(device, dt)
     o2, w2 = ours(x, x, x, key_padding_mask=kpm, attn_mask=am)
     o1, w1 = ref_mod(x, x, x, key_padding_mask=kpm, attn_mask=am)
     params = {n: to_numpy(p) for n, p in ours.state_dict().items()}
-    ref_out = reference.multi_head_attention(x, x, x, params, 2, to_numpy(am), kpm.cpu().numpy())
+    xn = to_numpy(x)
+    ref_out = reference.multi_head_attention(xn, xn, xn, params, 2, to_numpy(am), kpm.cpu().numpy())
     assert_close_to_reference(o2, ref_out, o1, factor=4)
     # weights: softmax of the reference scores
     qkv = reference.linear(to_numpy(x), params["in_proj_weight"], params["in_proj_bias"])
     qh, kh = (t.reshape(2, 5, 2, 8).transpose(0, 2, 1, 3) for t in (qkv[..., :16], qkv[..., 16:32]))
     p = reference.softmax(qh @ kh.transpose(0, 1, 3, 2), to_numpy(am) + reference._additive_mask(~kpm.cpu().numpy()[:, None, None]), 8**-0.5)
     assert_close_to_reference(w2, p.mean(axis=1), w1, factor=4, name="weights")
-    dy = torch.randn(o1.shape, generator=g).to(device)
+    dy = torch.randn(o1.shape, generator=g).to(device, dt)
     g1 = torch.autograd.grad(o1, list(ref_mod.parameters()), dy)
     g2 = torch.autograd.grad(o2, list(ours.parameters()), dy)
+    tol = dict(rtol=1e-4, atol=1e-5) if dt == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for a, b in zip(g2, g1):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_mha_dropout_training_only():
@@ -463,20 +467,26 @@ def test_layer_activations():
 
 @pytest.mark.parametrize("backend,device", ATTN_BACKENDS)
 def test_layers_backends(backend, device):
-    """Each backend (float32), tiny shapes: encoder and decoder layers against torch's float64 layers."""
+    """Each backend (float32; bfloat16 where the backend takes no float32), tiny shapes: encoder
+    and decoder layers against torch's float64 layers."""
     torch.manual_seed(0)
+    dt = dtype_for("attention", backend, device)
+    atol = 1e-4 if dt == torch.float32 else None  # (None: the dtype's own tolerance)
     kw = dict(dim_feedforward=32, batch_first=True)
-    enc = fastattn.nn.TransformerEncoderLayer(16, 2, backend=backend, device=device, **kw).eval()
-    dec = fastattn.nn.TransformerDecoderLayer(16, 2, backend=backend, device=device, **kw).eval()
+    enc = fastattn.nn.TransformerEncoderLayer(16, 2, backend=backend, device=device, dtype=dt,
+                                              **kw).eval()
+    dec = fastattn.nn.TransformerDecoderLayer(16, 2, backend=backend, device=device, dtype=dt,
+                                              **kw).eval()
     enc64 = torch.nn.TransformerEncoderLayer(16, 2, dtype=F64, **kw).eval()
     dec64 = torch.nn.TransformerDecoderLayer(16, 2, dtype=F64, **kw).eval()
-    enc64.load_state_dict(enc.state_dict())
+    enc64.load_state_dict(enc.state_dict())  # (in float64: the weights as ours hold them)
     dec64.load_state_dict(dec.state_dict())
     x, mem, kpm, mkpm = _layer_inputs(True, _gen(1))
     causal = torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=F64)
     with torch.no_grad():
-        y = enc(x.float().to(device), src_key_padding_mask=kpm.to(device))
-        assert_close_to_reference(y, enc64(x, src_key_padding_mask=kpm), atol=1e-4)
-        z = dec(y, mem.float().to(device), tgt_is_causal=True, memory_key_padding_mask=mkpm.to(device))
-        ref = dec64(y.double().cpu(), mem, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=mkpm)
-        assert_close_to_reference(z, ref, atol=1e-4)
+        y = enc(x.to(device, dt), src_key_padding_mask=kpm.to(device))
+        assert_close_to_reference(y, enc64(x.to(dt).double(), src_key_padding_mask=kpm), atol=atol)
+        z = dec(y, mem.to(device, dt), tgt_is_causal=True, memory_key_padding_mask=mkpm.to(device))
+        ref = dec64(y.double().cpu(), mem.to(dt).double(), tgt_mask=causal, tgt_is_causal=True,
+                    memory_key_padding_mask=mkpm)
+        assert_close_to_reference(z, ref, atol=atol)
