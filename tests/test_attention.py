@@ -140,6 +140,41 @@ def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
         assert_close_to_reference(got, want, name=name)
 
 
+@pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
+@pytest.mark.parametrize("hkv", [1, 2], ids=["two-pass", "one-pass"])
+@pytest.mark.parametrize("mask_kind", ["bf16-bias", "fp16-bias-transposed", "bool"])
+def test_cpu_backward_stages_long_mask_rows(mask_kind, hkv):
+    """The cpu backward copies a query block's 16-bit and bool mask rows, 512 keys at a time,
+    before its 64-key tiles read them (cpu::stage_rows): keys over several such chunks, a window
+    that starts the later query blocks' walks past key 0, a partial last chunk, and a mask whose
+    keys are not contiguous (read in place)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{mask_kind}{hkv}".encode()))
+        dtype = torch.float16 if mask_kind.startswith("fp16") else torch.bfloat16
+        B, H, Lq, Lk, D = 1, 2, 150, 1100, 16
+        q, k, v = _qkv(B, H, hkv, Lq, Lk, D, D, "cpu", dtype, g)
+        if mask_kind == "bool":
+            mask = torch.rand(Lq, Lk, generator=g) > 0.2
+        elif mask_kind.endswith("transposed"):
+            mask = (torch.randn(Lk, Lq, generator=g, dtype=torch.float64) * 0.5).to(dtype).t()
+        else:
+            mask = (torch.randn(1, 1, Lq, Lk, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+        window = (700, 300)  # (left, right) of the diagonal, bottom-right aligned
+        kw = dict(causal=False, window=window, enable_gqa=True)
+        out = fastattn.attention(q, k, v, mask, backend="cpu", **kw)
+        dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        torch.set_num_threads(threads)
+    np_mask = to_numpy(mask) if mask.is_floating_point() else mask.numpy()
+    refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
+                                        mask=np_mask, **kw)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
+        assert_close_to_reference(got, want, name=name)
+
+
 @pytest.mark.parametrize("as_float", [False, True])
 def test_key_padding_mask_over_whole_key_tiles(as_float):
     """A key-padding mask that removes whole key tiles (256 keys; the cpu forward skips them): same

@@ -278,12 +278,31 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
   }
 }
 
+// The mask rows of one query block's walk over its key tiles (ks), staged kMaskStageTiles tiles
+// at a time by cpu::stage_rows: `at(kb)` before each tile kb of the walk gives the view to read.
+// (The walk reads each mask row in TK-key pieces; the staged copy reads it in long runs.)
+constexpr int64_t kMaskStageTiles = 8;
+struct StagedMask {
+  std::vector<unsigned char> buf;
+  cpu::MaskView view;
+  const cpu::MaskView& at(const cpu::MaskView& mask, int64_t b, int64_t h, int64_t i0, int64_t nq,
+                          const TileSpan& ks, int64_t kb, int64_t TK, int64_t Lk) {
+    if ((kb - ks.first) % kMaskStageTiles == 0) {
+      const int64_t j0 = kb * TK;
+      const int64_t j1 = std::min({(ks.last + 1) * TK, j0 + kMaskStageTiles * TK, Lk});
+      view = cpu::stage_rows(mask, b, h, i0, nq, j0, j1 - j0, buf);
+    }
+    return view;
+  }
+};
+
 // S = (scale Q) K^T and P = exp(S - lse) on the tile of query rows [i0, i0 + nq) of (b, h) by
 // key tile kb of kv head bg (s: rows of p.TK values), the mask and the band applied in between;
 // with dropout, each row's keep-mask Z in z (0 on the padding) and, when kPZ, P Z in pz.
 template <class V, bool kPZ>
-FASTATTN_INLINE void probs_tile(const BwdArgs<typename V::value_type>& p, int64_t b, int64_t h,
-                                int64_t bg, int64_t kb, uint32_t stream, int64_t i0, int64_t nq,
+FASTATTN_INLINE void probs_tile(const BwdArgs<typename V::value_type>& p, const cpu::MaskView& mask,
+                                int64_t b, int64_t h, int64_t bg, int64_t kb, uint32_t stream,
+                                int64_t i0, int64_t nq,
                                 const KeyTile& tile, const typename V::value_type* qblk,
                                 const typename V::value_type* lse, typename V::value_type* s,
                                 typename V::value_type* z, typename V::value_type* pz) {
@@ -293,7 +312,7 @@ FASTATTN_INLINE void probs_tile(const BwdArgs<typename V::value_type>& p, int64_
   for (int64_t r = 0; r < nq; ++r) {
     A* sr = s + r * TK;
     const int64_t i = i0 + r;
-    mask_band_row(sr, p.mask, p.band, b, h, i, tile);
+    mask_band_row(sr, mask, p.band, b, h, i, tile);
     exp_row<V>(sr, tile.nkp, lse[r]);
     if (p.drop.on) {
       A* zr = z + r * TK;
@@ -346,6 +365,7 @@ FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::at
   const bool drop = p.drop.on;
   std::vector<A> s((TQ + R) * TK), dp((TQ + R) * TK), z(drop ? TQ * TK : 0);
   std::vector<A> dq_acc((TQ + R) * std::max(Dp, W));
+  StagedMask staged;
   const int64_t ntasks = sh.B * sh.H * p.nqb;
   for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
     const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, TQ, p.drop);
@@ -357,8 +377,8 @@ FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::at
     const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, TK);
     for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
       const KeyTile tile = key_tile(p.band, i0, nq, kb, TK, sh.Lk, W);
-      probs_tile<V, false>(p, b, h, bg, kb, stream, i0, nq, tile, qblk, lse, s.data(), z.data(),
-                           nullptr);
+      probs_tile<V, false>(p, staged.at(p.mask, b, h, i0, nq, ks, kb, TK, sh.Lk), b, h, bg, kb,
+                           stream, i0, nq, tile, qblk, lse, s.data(), z.data(), nullptr);
       dscores_tile<V>(p, bh, bg, kb, i0, nq, tile, doblk, delta, s.data(), z.data(), dp.data());
       // dQ += dS K
       gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, tile.nk, dp.data(), TK,
@@ -384,6 +404,7 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
   std::vector<A> s((TQ + R) * TK), dp((TQ + R) * TK), pz(drop ? (TQ + R) * TK : 0);
   std::vector<A> z(drop ? TQ * TK : 0), dq_acc(TQ * std::max(Dp, W));
   std::vector<A> dk_acc(sh.Lk * std::max(Dp, W)), dv_acc(sh.Lk * std::max(Dvp, W));
+  StagedMask staged;
   const int64_t BG = sh.B * sh.Hkv;
   for (int64_t bg; (bg = next.fetch_add(1, std::memory_order_relaxed)) < BG;) {
     const int64_t b = bg / sh.Hkv, g = bg % sh.Hkv;
@@ -403,8 +424,8 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
         for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
           const KeyTile tile = key_tile(p.band, i0, nq, kb, TK, sh.Lk, W);
           const int64_t j0 = tile.j0, nk = tile.nk;
-          probs_tile<V, true>(p, b, h, bg, kb, stream, i0, nq, tile, qblk, lse, s.data(), z.data(),
-                              pz.data());
+          probs_tile<V, true>(p, staged.at(p.mask, b, h, i0, nq, ks, kb, TK, sh.Lk), b, h, bg, kb,
+                              stream, i0, nq, tile, qblk, lse, s.data(), z.data(), pz.data());
           // dV += (P Z)^T dO
           gemm_acc<V, true>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvp, nq,
                             drop ? pz.data() : s.data(), TK, doblk, Dvp, dv_acc.data() + j0 * Dvp, Dvp);
