@@ -241,12 +241,18 @@ struct Vec {
 #endif
 
 // exp, lane-wise. float: Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp
-// on the normal range); exp(x) = 0 exactly for x < ln(FLT_MIN) (so -inf gives 0), +inf above
+// on the normal range); exp(x) = 0 exactly for x < -86.95 (so -inf gives 0), +inf above
 // ln(FLT_MAX), NaN stays NaN. double: std::exp per lane (the float64 path is for gradcheck).
+// The low cut is 2^-125.4, not ln(FLT_MIN): clamped there, the scale 2^n stays at 2^-125 and
+// p * 2^n stays normal. At ln(FLT_MIN) it took n = -126 and made a subnormal product for every
+// -inf score (a masked-out key), which x86 finishes in microcode (an "assist", ~100+ cycles a
+// vector), before the select threw it away: a (1, 1, 2048, 2048) mask with a fifth of its
+// entries out cost the bf16 attention backward ~6 ms more than one with none (AVX2, 2 threads).
+// Values in [2^-126, 2^-125.4) become 0: 1.2e-38 .. 1.8e-38, far under any tolerance here.
 template <int W>
 FASTATTN_INLINE Vec<float, W> vexp(Vec<float, W> x) {
   using V = Vec<float, W>;
-  const V lo(-87.33654475f), hi(88.37626266f);
+  const V lo(-86.95f), hi(88.37626266f);
   const V xc = min(max(x, lo), hi);
   const V magic(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
   const V t = fma(xc, V(1.44269504088896341f), magic);
