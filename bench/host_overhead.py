@@ -165,10 +165,9 @@ def main(argv=None) -> int:
           f"{'kernel us':>10} {'host us 1t':>10}")
     for name, make, providers in _cases(dtype):
         inputs = make()
-        dout = None
-        for provider, call in providers.items():
-            if provider.startswith("fastattn-") and provider[9:] not in available:
-                continue
+        runnable = {p: c for p, c in providers.items()
+                    if not p.startswith("fastattn-") or p[len("fastattn-"):] in available}
+        for provider, call in runnable.items():
             for mode in ("fwd", "fwd_bwd"):
                 row = dict(case=name, mode=mode, provider=provider)
                 try:
@@ -187,11 +186,8 @@ def main(argv=None) -> int:
                       f"{row['do_bench_us']:12.1f} {row['kernel_us']:10.1f} "
                       f"{row['host_us_one_thread']:10.1f}", flush=True)
         if name == _PROFILED:
-            for provider in ("fastattn-triton", "fastattn-cuda", "torch"):
-                if provider in providers and (not provider.startswith("fastattn-")
-                                              or provider[9:] in available):
-                    _profile(f"{name} fwd_bwd {provider}",
-                             _callable(providers[provider], inputs, "fwd_bwd"))
+            for provider, call in runnable.items():
+                _profile(f"{name} fwd_bwd {provider}", _callable(call, inputs, "fwd_bwd"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
