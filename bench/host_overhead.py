@@ -180,6 +180,7 @@ def main(argv=None) -> int:
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
                     print(f"{name:28} {mode:8} {provider:16} {row['error']}", flush=True)
                     torch.cuda.synchronize()
+                    rows.append(row)  # (the JSON keeps the failure too)
                     continue
                 rows.append(row)
                 print(f"{name:28} {mode:8} {provider:16} {row['host_us']:8.1f} "
@@ -187,7 +188,10 @@ def main(argv=None) -> int:
                       f"{row['host_us_one_thread']:10.1f}", flush=True)
         if name == _PROFILED:
             for provider, call in runnable.items():
-                _profile(f"{name} fwd_bwd {provider}", _callable(call, inputs, "fwd_bwd"))
+                try:
+                    _profile(f"{name} fwd_bwd {provider}", _callable(call, inputs, "fwd_bwd"))
+                except Exception as e:  # (as above: the other providers' profiles still print)
+                    print(f"--- cProfile: {name} fwd_bwd {provider}: {type(e).__name__}: {e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
