@@ -120,3 +120,34 @@ def test_a_test_step_logs_each_test_as_it_ends_even_when_killed(tmp_path, monkey
                                                            ("test_bad", "failed")]
     assert "bad on purpose" in (tmp_path / "out" / "t-tests.tsv.failures").read_text()
     assert not (tmp_path / "out" / "t.xml").exists()  # killed: the log is all there is
+
+
+# bench/cxx_exceptions.py: the GPU image segfaulted while errors were raised through C++ (H100,
+# 2026-11-26); here, where they raise, every probe must say so, and a crash must read as one.
+_cx_spec = importlib.util.spec_from_file_location("cxx_exceptions", ROOT / "bench" / "cxx_exceptions.py")
+cxx_exceptions = importlib.util.module_from_spec(_cx_spec)
+_cx_spec.loader.exec_module(cxx_exceptions)
+
+
+def test_cxx_exception_probes_raise_here(capsys):
+    assert cxx_exceptions.main(["--no-builds"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("  ok ") >= 6 and "FAIL" not in printed
+    assert "fastattn cpu op, after its parallel op: raised RuntimeError: x must be 4-D" in printed
+    assert "mapped after a parallel op" in printed
+
+
+def test_cxx_exception_probe_reports_a_crash_and_no_raise():
+    assert cxx_exceptions.run_probe("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)") == (
+        False, "CRASH: signal 11")
+    ok, what = cxx_exceptions.run_probe(cxx_exceptions._raise_code("", "1 + 1"))
+    assert not ok and "did not raise" in what
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ninja") is None or not cxx_exceptions.compilers(),
+                    reason="needs a C++ compiler and ninja")
+def test_cxx_exception_probe_of_a_built_op(tmp_path):
+    lines = cxx_exceptions.build_variant(tmp_path, "cxxprobetest", cxx_exceptions.compilers()[0],
+                                         ["-O3", "-std=c++17", "-fopenmp"])
+    assert len(lines) == 2 and all(line.strip().startswith("ok") for line in lines), lines
+    assert "after its parallel loop: raised RuntimeError: probe asked to fail" in lines[1]
