@@ -71,12 +71,13 @@ class Lanes:
         return max(sum(step.timeout for step in lane) for lane in self.lanes)
 
 
-def _tests(name, *args, junit, step_timeout, workers=8, timeout=None, env=None):
+def _tests(name, *args, junit, step_timeout, workers=8, timeout=None, env=None, maxfail=25):
     """A pytest step. Each test's outcome and seconds go to ``{out}/<junit>-tests.tsv`` (and a
     failure's text to ``.failures`` beside it) as the test ends (tests/conftest.py), so a step
     killed at its limit, which writes no junit XML, still says which tests ran, failed or
-    crashed their worker."""
-    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--maxfail=25",
+    crashed their worker. ``maxfail``: a poisoned CUDA context fails every later test of its
+    worker; past that many failures the run stops."""
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", f"--maxfail={maxfail}",
            "--durations=15", *args]
     if workers and _has_module("xdist"):
         cmd += ["-n", str(workers)]
@@ -155,11 +156,16 @@ _OP_TESTS = ["test_attention.py", "test_softmax.py", "test_layer_norm.py", "test
 
 
 def _rest(name, timeout, files=None, exclude=()):
-    """The GPU part of the rest of the suite: ``files`` (default: every test file not excluded)."""
+    """The GPU part of the rest of the suite: ``files`` (default: every test file not excluded).
+    14 workers: nothing builds beside these runs, and their time is Triton's compiles (one per
+    new shape and flag set, 3-20 s each on the CPUs; the kernel tests' median was 5.3 s a test),
+    so more workers finish more of the ~260 (rest) and ~800 (rest-ops) GPU cases; the GPU and
+    its 80 GB are nowhere near busy with them. Up to 60 failures: the first run of these files
+    had ~40 in its first fifth, most of them one cause (fixed since), and each one named helps."""
     args = [f"tests/{f}" for f in files] if files else [
         "tests", *(f"--ignore=tests/{f}" for f in (*_NOT_ON_GPU, *exclude))]
     return _tests(f"test-{name}", *args, "-k", "not cpu", junit=name, step_timeout=timeout,
-                  timeout=150)
+                  workers=14, timeout=150, maxfail=60)
 
 
 # Does an error raised in C++ reach Python? (H100, 2026-11-26: three pytest workers of the rest
