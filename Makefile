@@ -1,7 +1,8 @@
 # make bench: install, then run the main job (the benchmark against naive and PyTorch).
 # make test:  install, then run the test suite (what CI runs).
 # make aot:   the Hopper compile gate, quick (CI): Triton kernels compiled for sm_90 with the GPU
-#             image's Triton, in a venv of its own; make aot-full: every config the pruners keep.
+#             image's Triton, in a venv of its own, and their eager launches checked to be direct
+#             (.ci/eager_launch.py); make aot-full: every config the pruners keep.
 PY ?= python3
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/include/*/*.h)
 
@@ -36,6 +37,7 @@ check-cuda: .install
 
 aot: .venv-aot/.ok-$(AOT_TRITON)
 	.venv-aot/bin/python -m fastattn.aot --triton --quick
+	.venv-aot/bin/python .ci/eager_launch.py
 
 aot-full: .venv-aot/.ok-$(AOT_TRITON)
 	.venv-aot/bin/python -m fastattn.aot --triton --json aot-full.json
