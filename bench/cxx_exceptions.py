@@ -195,20 +195,21 @@ def main(argv=None) -> int:
         results = dict(zip(jobs, pool.map(lambda sl: run_probe(_raise_code(*sl)), jobs.values())))
     for name, (ok, what) in results.items():
         failed += not ok
-        print(f"  {'ok   ' if ok else 'FAIL '} {name}: {what}")
+        print(f"  {'ok   ' if ok else 'FAIL '} {name}: {what}", flush=True)
     if not cuda:
         print("  (no CUDA device: the cuda op probes did not run)")
-    print("\nFacts:\n" + textwrap.indent(facts(), "  "))
+    print("\nFacts:\n" + textwrap.indent(facts(), "  "), flush=True)
     if not args.no_builds:
         print("\nA tiny op (TORCH_CHECK after an at::parallel_for) built with each compiler:")
         with tempfile.TemporaryDirectory(prefix="cxxprobe-") as tmp:
             variants = [(f"cxxprobe{i}{j}", cxx, ["-O3", "-std=c++17", *extra])
                         for i, cxx in enumerate(compilers()) for j, extra in enumerate(([], ["-fopenmp"]))]
             with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
-                reports = list(pool.map(lambda v: build_variant(Path(tmp), *v), variants))
-        for lines in reports:
-            failed += sum("FAIL" in line for line in lines)
-            print("\n".join(lines))
+                futures = [pool.submit(build_variant, Path(tmp), *v) for v in variants]
+                for future in concurrent.futures.as_completed(futures):  # (a step cut at its
+                    lines = future.result()                               # limit keeps these)
+                    failed += sum("FAIL" in line for line in lines)
+                    print("\n".join(lines), flush=True)
     return 1 if failed else 0
 
 
