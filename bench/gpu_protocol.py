@@ -13,8 +13,9 @@ returns what it did. The plan, in the order a session runs it::
                                                    #   the rest of the suite's GPU cases
     python bench/gpu_protocol.py rest-ops          # later calls, as time allows: the per-op
     python bench/gpu_protocol.py bench             #   test files' GPU cases, the quick
-    python bench/gpu_protocol.py profile           #   benchmark, ncu on the attention kernels,
-    python bench/gpu_protocol.py full              #   the full benchmark grid
+    python bench/gpu_protocol.py bench-ops         #   benchmark, decode / varlen / JVP / FFN,
+    python bench/gpu_protocol.py profile           #   ncu on the attention kernels, the full
+    python bench/gpu_protocol.py full              #   benchmark grid
     python bench/gpu_protocol.py --dry-run all     # print every step; run nothing (CI runs it)
 
 ``triton``, ``cuda`` and ``sanitize`` are parts of check, to rerun one. Each call
@@ -224,6 +225,21 @@ CALLS: dict[str, list[Step | Lanes]] = {
                                       "--json", "{out}/bench-attention-d128.json"], 120),
         Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
                                  "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 70),
+    ],
+    # 4b. The quick numbers the other issues ask of a GPU: decode on a paged cache (L 4k and
+    #    32k, batch 1 and 64: the fraction of copy bandwidth, target >= 85% at L >= 8k), packed
+    #    varlen against padded SDPA, the JVP against torch's math-path JVP (and the forward),
+    #    the FFN. Warm; autotuned where the op is; no torch.compile peers.
+    "bench-ops": [
+        _INSTALL, _WARM_BUILD,
+        Step("bench-decode", [*_CLI, "bench", "--op", "decode", "--quick", "--budget", "0.1",
+                              "--no-compile", "--json", "{out}/bench-decode.json"], 70),
+        Step("bench-varlen", [*_CLI, "bench", "--op", "varlen", "--quick", "--budget", "0.1",
+                              "--no-compile", "--json", "{out}/bench-varlen.json"], 110),
+        Step("bench-jvp", [*_CLI, "bench", "--op", "jvp", "--quick", "--budget", "0.1",
+                           "--no-compile", "--json", "{out}/bench-jvp.json"], 100),
+        Step("bench-ffn", [*_CLI, "bench", "--op", "ffn", "--quick", "--budget", "0.1",
+                           "--no-compile", "--json", "{out}/bench-ffn.json"], 60),
     ],
     # 5. Why the attention kernels run as they do: Nsight Compute's counters for one fwd+bwd of
     #    each backend at L4k, D64/D128, causal or not (bench/profile_attention.py).
