@@ -13,7 +13,8 @@ returns what it did. The plan, in the order a session runs it::
                                                    #   the rest of the suite's GPU cases
     python bench/gpu_protocol.py rest-ops          # later calls, as time allows: the per-op
     python bench/gpu_protocol.py bench             #   test files' GPU cases, the quick
-    python bench/gpu_protocol.py bench-ops         #   benchmark, decode / varlen / JVP / FFN,
+    python bench/gpu_protocol.py bench-ops         #   benchmark, decode / varlen / JVP, the
+                                                   #   cuda forward's 32-row config,
     python bench/gpu_protocol.py profile           #   ncu on the attention kernels, the full
     python bench/gpu_protocol.py full              #   benchmark grid
     python bench/gpu_protocol.py --dry-run all     # print every step; run nothing (CI runs it)
@@ -228,8 +229,9 @@ CALLS: dict[str, list[Step | Lanes]] = {
     ],
     # 4b. The quick numbers the other issues ask of a GPU: decode on a paged cache (L 4k and
     #    32k, batch 1 and 64: the fraction of copy bandwidth, target >= 85% at L >= 8k), packed
-    #    varlen against padded SDPA, the JVP against torch's math-path JVP (and the forward),
-    #    the FFN. Warm; autotuned where the op is; no torch.compile peers.
+    #    varlen against padded SDPA, the JVP against torch's math-path JVP (and the forward);
+    #    the cuda forward's 32-row config against the default. Warm; autotuned where the op
+    #    is; no torch.compile peers.
     "bench-ops": [
         _INSTALL, _WARM_BUILD,
         Step("bench-decode", [*_CLI, "bench", "--op", "decode", "--quick", "--budget", "0.1",
@@ -238,8 +240,10 @@ CALLS: dict[str, list[Step | Lanes]] = {
                               "--no-compile", "--json", "{out}/bench-varlen.json"], 110),
         Step("bench-jvp", [*_CLI, "bench", "--op", "jvp", "--quick", "--budget", "0.1",
                            "--no-compile", "--json", "{out}/bench-jvp.json"], 100),
-        Step("bench-ffn", [*_CLI, "bench", "--op", "ffn", "--quick", "--budget", "0.1",
-                           "--no-compile", "--json", "{out}/bench-ffn.json"], 60),
+        # The cuda forward on 16 against 32 rows a warp, alternating in one process (the FFN's
+        # GPU numbers are in "full").
+        Step("cuda-fwd-rows", [PY, "bench/cuda_fwd_rows.py", "--json", "{out}/cuda-fwd-rows.json"],
+             60),
     ],
     # 5. Why the attention kernels run as they do: Nsight Compute's counters for one fwd+bwd of
     #    each backend at L4k, D64/D128, causal or not (bench/profile_attention.py).

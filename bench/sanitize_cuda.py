@@ -12,7 +12,8 @@ or let the script launch those itself: ``python bench/sanitize_cuda.py --all-too
 The calls are forward + backward of softmax (warp path, cached and uncached block paths, masks,
 causal), ffn (plain and gated activations, odd sizes) and attention (the three head-dim buckets,
 odd lengths, GQA, masks, band, dropout, fully masked rows, empty keys, and several
-query blocks x key tiles so the cp.async pipeline turns over), kept small so the
+query blocks x key tiles so the cp.async pipeline turns over; then again with the forward on
+32 rows a warp), kept small so the
 sanitizer (10-100x slower) finishes in a minute or two. Each output is checked to be finite
 (a cheap guard that also forces the kernels to have run).
 """
@@ -105,6 +106,19 @@ def attention_calls(gen, dev):
         _finite("lse", lse)
 
 
+def wide_forward_calls(gen, dev):
+    """The attention calls again with the forward on 32 rows a warp (FASTATTN_CUDA_FWD_ROWS=32,
+    read by the extension at each call; head dims up to 128 take it): Q re-read from shared
+    memory per key tile, two m16 tiles staged per warp in the epilogue."""
+    import os
+
+    os.environ["FASTATTN_CUDA_FWD_ROWS"] = "32"
+    try:
+        attention_calls(gen, dev)
+    finally:
+        del os.environ["FASTATTN_CUDA_FWD_ROWS"]
+
+
 def workload():
     import fastattn
 
@@ -116,6 +130,7 @@ def workload():
     softmax_calls(gen, dev)
     ffn_calls(gen, dev)
     attention_calls(gen, dev)
+    wide_forward_calls(gen, dev)
     torch.cuda.synchronize()
     print("sanitize_cuda: workload done")
 

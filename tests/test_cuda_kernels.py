@@ -358,10 +358,24 @@ def _att_run(case, dtype, seed=1234, transposed=False):
     return out, lse, grads, want, mask
 
 
+# The forward's rows per warp: 16 (the default configs) and 32 (Configs<DP>::FwdWide, two m16
+# tiles a warp, head dims up to 128; FASTATTN_CUDA_FWD_ROWS=32 until it has run on a GPU).
+FWD_ROWS = [pytest.param(16, id="rows16"), pytest.param(32, id="rows32")]
+
+
+def _fwd_rows(rows, monkeypatch, *head_dims):
+    if rows == 32:
+        if max(head_dims) > 128:
+            pytest.skip("the 32-row forward covers head dims up to 128")
+        monkeypatch.setenv("FASTATTN_CUDA_FWD_ROWS", "32")
+
+
+@pytest.mark.parametrize("rows", FWD_ROWS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(ATT_CASES))
-def test_attention_matches_reference(case, dtype):
+def test_attention_matches_reference(case, dtype, rows, monkeypatch):
     B, H, Hkv, Lq, Lk, D, Dv, *_ = ATT_CASES[case]
+    _fwd_rows(rows, monkeypatch, D, Dv)
     out, lse, grads, ((r_out, r_lse), (r_dq, r_dk, r_dv, r_dmask)), mask = _att_run(
         case, dtype, transposed=case == "plain_d64")
     tol = ATT_TOL[dtype]
@@ -383,12 +397,14 @@ def test_attention_matches_reference(case, dtype):
         assert dead.any()
 
 
+@pytest.mark.parametrize("rows", FWD_ROWS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", [5, 3_000_000_000, 2**40 + 17])
-def test_attention_dropout_mask_is_the_shared_rng(seed, dtype):
+def test_attention_dropout_mask_is_the_shared_rng(seed, dtype, rows, monkeypatch):
     """q = k = 0 gives uniform P = 1 / L; with v = I the output is keep / ((1 - p) L) exactly,
     so its support is the keep-mask, which must equal the reference's bit for bit."""
     B, H, L, p = 2, 3, 64, 0.4
+    _fwd_rows(rows, monkeypatch, L)
     q = torch.zeros(B, H, L, 32, device=DEV, dtype=dtype)
     k = torch.zeros(B, 1, L, 32, device=DEV, dtype=dtype)
     v = torch.eye(L, device=DEV, dtype=dtype).expand(B, 1, L, L)

@@ -35,9 +35,11 @@
 //
 // Work split (all grids 1-D, the block index fastest so the blocks of one head run together);
 // tile shapes per head-dim bucket are in ONE table, `Configs<DP>` below:
-// - forward: one CTA of BM / 16 warps per (BM query rows, b, h); each warp owns 16 rows. Q is
-//   loaded once (cp.async) and, for DP <= 128, held in registers as A fragments for the whole key
-//   loop (DP = 256 re-reads it with ldmatrix: O already takes 128 registers). The CTA walks the
+// - forward: one CTA of BM / RW warps per (BM query rows, b, h); each warp owns RW = 16 MT rows,
+//   MT m16 tiles (1 by default; 2 in the FA2-split config FwdWide, under test: every K and V
+//   fragment a warp reads from shared memory then feeds two tiles' mma). Q is loaded once
+//   (cp.async) and, for DP <= 128 with MT = 1, held in registers as A fragments for the whole key
+//   loop (DP = 256 and MT = 2 re-read it with ldmatrix: O fills the registers). The CTA walks the
 //   BN-key tiles that intersect the band (tiles entirely outside it are skipped), K and V
 //   (both row-major) double-buffered: the cp.async of tile n+1 is in flight while tile n is
 //   computed. Per tile: S = Q K^T, then scale (and, only on tiles a warp does not see whole:
@@ -67,7 +69,8 @@
 // Barriers: the forward and the dQ kernel have two __syncthreads per key tile -- after the wait
 // for tile n (its cp.async done in every thread) and after its last read (before tile n + 2
 // overwrites the buffer) --; every cp.async group is waited for before the CTA exits. The
-// forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp). Every shared and global
+// forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp; a warp's
+// ldmatrix reads of Q touch only its own rows, whether from registers' first fill or per tile). Every shared and global
 // access is bounds-checked or covered by a static_assert on the tile shapes.
 //
 // NaN rule (docs/numerics.md): a non-finite value a row attends reaches it as IEEE arithmetic
@@ -92,6 +95,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 
@@ -227,18 +232,38 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[N][4
 // c0 / c1 += a * B for the two n-tiles of a B read from the 16 x 16 block of X at rows r0,
 // columns c0: B = X^T when XT (B[k][n] = X[r0 + n][c0 + k]; ldsm_b), else B = X
 // (B[k][n] = X[r0 + k][c0 + n]; ldsm_bt).
-template <typename M16, int DP, bool XT>
-__device__ __forceinline__ void mma_block(float (&acc0)[4], float (&acc1)[4],
-                                          const uint32_t (&a)[4], const uint16_t* tile, int r0,
-                                          int c0, int lane) {
-  uint32_t b[4];
+template <int DP, bool XT>
+__device__ __forceinline__ void ldsm_block(uint32_t (&b)[4], const uint16_t* tile, int r0, int c0,
+                                           int lane) {
   if constexpr (XT) {
     ldsm_b<DP>(b, tile, r0, c0, lane);
   } else {
     ldsm_bt<DP>(b, tile, r0, c0, lane);
   }
+}
+template <typename M16, int DP, bool XT>
+__device__ __forceinline__ void mma_block(float (&acc0)[4], float (&acc1)[4],
+                                          const uint32_t (&a)[4], const uint16_t* tile, int r0,
+                                          int c0, int lane) {
+  uint32_t b[4];
+  ldsm_block<DP, XT>(b, tile, r0, c0, lane);
   M16::mma(acc0, a, b[0], b[1]);
   M16::mma(acc1, a, b[2], b[3]);
+}
+// The same for MT m16 tiles of rows at once: c[t][n] / c[t][n + 1] += a[t] * B for t < MT. The
+// B fragment is read from shared memory once for all MT tiles (the forward's K and V reads per
+// mma fall by MT; FA2's warps hold MT = 2).
+template <typename M16, int DP, bool XT, int MT, int N>
+__device__ __forceinline__ void mma_block_tiles(float (&c)[MT][N][4], int n,
+                                                const uint32_t (&a)[MT][4], const uint16_t* tile,
+                                                int r0, int c0, int lane) {
+  uint32_t b[4];
+  ldsm_block<DP, XT>(b, tile, r0, c0, lane);
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    M16::mma(c[t][n], a[t], b[0], b[1]);
+    M16::mma(c[t][n + 1], a[t], b[2], b[3]);
+  }
 }
 // One 16-deep step of C = A X^T over N rows of X: c[0 .. N / 8) += a * X[0 .. N, k0 .. k0 + 16)^T.
 template <typename M16, int DP, int N>
@@ -266,14 +291,16 @@ __device__ __forceinline__ void mma_two_xt(float (&c1)[N / 8][4], const uint16_t
   }
 }
 
-// This lane's place in a CTA of 16-row warps: t = lane % 4 (the column pair of its accumulator
-// elements), wrow = the warp's first tile row, row[0] / row[1] = the tile rows it holds.
+// This lane's place in a CTA of warps of `rw` rows each (16 unless a forward config holds more
+// m16 tiles per warp): t = lane % 4 (the column pair of its accumulator elements), wrow = the
+// warp's first tile row, row[0] / row[1] = the tile rows it holds in its first m16 tile (in tile
+// mt: row[] + 16 mt).
 struct WarpRows {
   int lane, t, wrow, row[2];
 };
-__device__ __forceinline__ WarpRows warp_rows() {
+__device__ __forceinline__ WarpRows warp_rows(int rw = 16) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int wrow = warp * 16;
+  const int wrow = warp * rw;
   return {lane, lane & 3, wrow, {wrow + (lane >> 2), wrow + (lane >> 2) + 8}};
 }
 
@@ -299,9 +326,9 @@ struct QueryCta {
   WarpRows w;
   int i_row[2];
 };
-__device__ __forceinline__ QueryCta query_cta(const AttnParams& p, int bm) {
+__device__ __forceinline__ QueryCta query_cta(const AttnParams& p, int bm, int rw = 16) {
   const GridBlock blk = grid_block(p.Lq, bm, p.H);
-  const WarpRows w = warp_rows();
+  const WarpRows w = warp_rows(rw);
   const int m0 = blk.blk * bm;
   return {blk.bh, blk.b, blk.h, blk.h / p.group, m0, w, {m0 + w.row[0], m0 + w.row[1]}};
 }
@@ -370,14 +397,20 @@ __device__ __forceinline__ KeyTiles key_tiles(const AttnParams& p, int m0, int r
 // ---------------------------------------------------------------------------------------------
 // Tile configurations.
 
-template <int DP_, int BM_, int BN_, bool Q_IN_REGS_>
+// MT: m16 tiles of query rows per warp (RW = 16 MT rows). A warp reads the whole K and V tile
+// from shared memory whatever its rows, so MT = 2 halves those reads per mma (the split of FA2's
+// forward); its accumulators then leave no room for Q's fragments, which are read from shared
+// memory per key tile instead.
+template <int DP_, int BM_, int BN_, bool Q_IN_REGS_, int MT_ = 1>
 struct FwdCfg {
-  static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
+  static constexpr int DP = DP_, BM = BM_, BN = BN_, MT = MT_, RW = 16 * MT;
+  static constexpr int NWARPS = BM / RW, NTHREADS = 32 * NWARPS;
   static constexpr int STAGES = 2;  // K / V double buffer
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;
   static constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
   static constexpr int SMEM = (Q_ELEMS + STAGES * 2 * KV_ELEMS) * 2;
-  static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
+  static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % RW == 0, "swizzled rows, 16-deep mma");
+  static_assert(!Q_IN_REGS || MT == 1, "Q fragments stay in registers for one m16 tile only");
   static_assert(SMEM <= kSm80SmemOptin, "forward tile does not fit in sm_80 shared memory");
 };
 
@@ -421,17 +454,25 @@ struct BwdQCfg {
 // in an sm_90 SM's shared memory; its launch bounds ask for three, which keeps it at <= 168
 // registers (162; without the bound the NaN rule's careful path took it from 168 to 172, and
 // 176 allocated registers leave room for two).
+// FwdWide (DP <= 128): 128 queries on 4 warps of 32 rows (MT = 2), Q in shared memory, the FA2
+// split; 64 keys a tile at DP = 64 (230-240 registers), 32 at DP = 128 (64 keys: 255 and 36-48
+// bytes of spills; 32: 240, none). Shared-memory reads per mma fall from 61 to 38 (DP = 64) and
+// 46 (DP = 128) KB per MFLOP. Taken with FASTATTN_CUDA_FWD_ROWS=32 until a GPU has tested and
+// timed it against Fwd (gpu-notes: at 16 rows a warp the forward is predicted to be bound by
+// shared-memory reads).
 template <int DP>
 struct Configs;
 template <>
 struct Configs<64> {
   using Fwd = FwdCfg<64, 128, 64, true>;
+  using FwdWide = FwdCfg<64, 128, 64, false, 2>;
   using KV = BwdKVCfg<64, 64, 64>;
   using Q = BwdQCfg<64, 64, 64, 3>;
 };
 template <>
 struct Configs<128> {
   using Fwd = FwdCfg<128, 128, 64, true>;
+  using FwdWide = FwdCfg<128, 128, 32, false, 2>;
   using KV = BwdKVCfg<128, 64, 32>;
   using Q = BwdQCfg<128, 64, 64>;
 };
@@ -711,14 +752,21 @@ template <typename T, typename Cfg, int SMEM_BYTES>
 __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnParams p) {
   FASTATTN_ATTN_TILE_KERNEL_SETUP();
   using L = Swizzled<DP>;
+  constexpr int MT = Cfg::MT, RW = Cfg::RW;  // m16 tiles and rows per warp
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sKV = sQ + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
 
-  const QueryCta cta = query_cta(p, BM);
+  const QueryCta cta = query_cta(p, BM, RW);
   const int64_t bh = cta.bh;
   const int b = cta.b, h = cta.h, hk = cta.hk, m0 = cta.m0, lane = cta.w.lane, t = cta.w.t,
             wrow = cta.w.wrow;
-  const int i_row[2] = {cta.i_row[0], cta.i_row[1]};
+  // The queries of this lane's rows: tile mt, accumulator row r (cta.i_row[] + 16 mt).
+  int i_row[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    i_row[mt][0] = cta.i_row[0] + 16 * mt;
+    i_row[mt][1] = cta.i_row[1] + 16 * mt;
+  }
 
   const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
@@ -739,100 +787,118 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
     for (int kk = 0; kk < DP / 16; ++kk) ldsm_a<DP>(qf[kk], sQ, wrow, kk * 16, lane);
   }
 
-  int64_t mask_row[2] = {0, 0};
-  uint32_t rng_row[2] = {0, 0};
+  int64_t mask_row[MT][2];
+  uint32_t rng_row[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mask_row[r] = b * p.m_sb + h * p.m_sh + int64_t{i_row[r]} * p.m_sl;
-    rng_row[r] = dropout_row_base(i_row[r], p.Lk);
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mask_row[mt][r] = b * p.m_sb + h * p.m_sh + int64_t{i_row[mt][r]} * p.m_sl;
+      rng_row[mt][r] = dropout_row_base(i_row[mt][r], p.Lk);
+    }
   }
   const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
 
-  float o[DP / 8][4] = {};
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};  // per-lane partial row sums (reduced over the quad at the end)
+  float o[MT][DP / 8][4] = {};
+  float m_run[MT][2], l_run[MT][2];  // l_run: per-lane partial row sums (quad-reduced at the end)
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
 
   for_each_key_tile<Cfg>(p, tiles, sKV, k_base, v_base, [&](int n0, const uint16_t* sK,
                                                             const uint16_t* sV) {
-    // S = Q K^T for this warp's 16 rows x BN keys.
-    float s[BN / 8][4] = {};
+    // S = Q K^T for this warp's RW rows x BN keys, each K fragment read once for the MT tiles.
+    float s[MT][BN / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
-      uint32_t a[4];
-      if constexpr (Cfg::Q_IN_REGS) {
+      uint32_t a[MT][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = qf[kk][e];
-      } else {
-        ldsm_a<DP>(a, sQ, wrow, kk * 16, lane);
-      }
-      mma_xt_step<M16, DP, BN>(s, a, sK, kk * 16, lane);
-    }
-
-    // Scores in log2 units, -inf where not visible; the tile's row maxima.
-    float mx[2] = {-INFINITY, -INFINITY};
-    if (tile_whole(p, m0 + wrow, 16, n0, BN)) {  // warp-uniform
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Cfg::Q_IN_REGS) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] *= p.scale_log2;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+          for (int e = 0; e < 4; ++e) a[mt][e] = qf[kk][e];
+        } else {
+          ldsm_a<DP>(a[mt], sQ, wrow + 16 * mt, kk * 16, lane);
         }
       }
-    } else {
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        mma_block_tiles<M16, DP, true>(s, 2 * np, a, sK, np * 16, kk * 16, lane);
+      }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      // Scores in log2 units, -inf where not visible; the tile's row maxima.
+      float mx[2] = {-INFINITY, -INFINITY};
+      if (tile_whole(p, m0 + wrow + 16 * mt, 16, n0, BN)) {  // warp-uniform
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[mt][nt][e] *= p.scale_log2;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nt][e]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            const float v = visible(p, i_row[mt][r], j)
+                                ? score_log2(p, s[mt][nt][e], mask_row[mt][r] + int64_t{j} * p.m_sk)
+                                : -INFINITY;
+            s[mt][nt][e] = v;
+            mx[r] = fmaxf(mx[r], v);
+          }
+        }
+      }
+      float m_safe[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m_run[mt][r], quad_max(mx[r]));
+        m_safe[r] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[r] = exp2f(m_run[mt][r] - m_safe[r]);  // 0 while the row was empty
+        m_run[mt][r] = m_new;
+        l_run[mt][r] *= alpha[r];
+      }
+      // Probabilities (relative to the running max), the row sums, then dropout.
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
-          const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          const float v = visible(p, i_row[r], j)
-                              ? score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk)
-                              : -INFINITY;
-          s[nt][e] = v;
-          mx[r] = fmaxf(mx[r], v);
+          float pr = exp2f(s[mt][nt][e] - m_safe[r]);  // exp2(-inf) = 0 where not visible
+          l_run[mt][r] += pr;
+          if (p.dropout) {
+            const uint32_t j = static_cast<uint32_t>(n0 + nt * 8 + 2 * t + (e & 1));
+            if (dropout_bits(stream, rng_row[mt][r], j) < p.threshold) pr = 0.f;
+          }
+          s[mt][nt][e] = pr;
         }
       }
-    }
-    float m_safe[2], alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
-      m_safe[r] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2f(m_run[r] - m_safe[r]);  // 0 while the row was empty
-      m_run[r] = m_new;
-      l_run[r] *= alpha[r];
-    }
-    // Probabilities (relative to the running max), the row sums, then dropout.
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        float pr = exp2f(s[nt][e] - m_safe[r]);  // exp2(-inf) = 0 where not visible
-        l_run[r] += pr;
-        if (p.dropout) {
-          const uint32_t j = static_cast<uint32_t>(n0 + nt * 8 + 2 * t + (e & 1));
-          if (dropout_bits(stream, rng_row[r], j) < p.threshold) pr = 0.f;
-        }
-        s[nt][e] = pr;
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        o[mt][dt][0] *= alpha[0];
+        o[mt][dt][1] *= alpha[0];
+        o[mt][dt][2] *= alpha[1];
+        o[mt][dt][3] *= alpha[1];
       }
     }
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      o[dt][0] *= alpha[0];
-      o[dt][1] *= alpha[0];
-      o[dt][2] *= alpha[1];
-      o[dt][3] *= alpha[1];
-    }
-    // O += P V: P from the accumulators (A), V row-major through ldmatrix.trans (B).
+    // O += P V: P from the accumulators (A), V row-major through ldmatrix.trans (B), each V
+    // fragment read once for the MT tiles.
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks) {
-      uint32_t a[4];
-      acc_to_a<M16>(a, s, ks);
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc_to_a<M16>(a[mt], s[mt], ks);
 #pragma unroll
       for (int dp = 0; dp < DP / 16; ++dp) {
-        mma_block<M16, DP, false>(o[2 * dp], o[2 * dp + 1], a, sV, ks * 16, dp * 16, lane);
+        mma_block_tiles<M16, DP, false>(o, 2 * dp, a, sV, ks * 16, dp * 16, lane);
       }
     }
   });
@@ -842,44 +908,53 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   // non-finite value or a leak; then the warp recomputes its rows on the careful path.
   float probe = 0.f;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (i_row[r] >= p.Lq) continue;
-    probe += l_run[r];
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) probe += o[dt][2 * r] + o[dt][2 * r + 1];
+    for (int r = 0; r < 2; ++r) {
+      if (i_row[mt][r] >= p.Lq) continue;
+      probe += l_run[mt][r];
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) probe += o[mt][dt][2 * r] + o[mt][dt][2 * r + 1];
+    }
   }
   if (__any_sync(0xffffffffu, is_nan(probe))) {  // NaN + anything is NaN (so is inf - inf)
-    for (int row = 0; row < 16; ++row) {
+    for (int row = 0; row < RW; ++row) {
       const int i = m0 + wrow + row;
       if (i < p.Lq) fwd_row_careful<M16, DP>(p, bh, b, h, i, stream, lane);
     }
     return;
   }
 
-  // Epilogue: normalize; stage O (16-bit) in this warp's own 16 rows of the Q tile (no other
+  // Epilogue: normalize; stage O (16-bit) in this warp's own RW rows of the Q tile (no other
   // warp reads them any more: Q fragments of a warp come from its own rows), then write whole
   // 16-byte chunks of the rows < Lq, columns < Dv.
-  float inv[2];
+  float inv[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(l_run[r]);
-    inv[r] = l > 0.f ? p.rcp_keep / l : 0.f;  // fully masked row: O = 0
-    if (t == 0 && i_row[r] < p.Lq) {
-      p.lse[bh * p.Lq + i_row[r]] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_run[mt][r]);
+      inv[mt][r] = l > 0.f ? p.rcp_keep / l : 0.f;  // fully masked row: O = 0
+      if (t == 0 && i_row[mt][r] < p.Lq) {
+        p.lse[bh * p.Lq + i_row[mt][r]] = l > 0.f ? (m_run[mt][r] + log2f(l)) * kLn2 : -INFINITY;
+      }
     }
   }
   __syncwarp();  // this warp's ldmatrix reads of its Q rows are done before they are overwritten
 #pragma unroll
-  for (int dt = 0; dt < DP / 8; ++dt) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      *reinterpret_cast<uint32_t*>(sQ + L::offset(cta.w.row[r], dt * 8 + 2 * t)) =
-          M16::pack(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+    for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        *reinterpret_cast<uint32_t*>(sQ + L::offset(cta.w.row[r] + 16 * mt, dt * 8 + 2 * t)) =
+            M16::pack(o[mt][dt][2 * r] * inv[mt][r], o[mt][dt][2 * r + 1] * inv[mt][r]);
+      }
     }
   }
   __syncwarp();
   const bool vec_out = p.Dv % 8 == 0;
-  for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
+  for (int idx = lane; idx < RW * L::CHUNKS; idx += 32) {
     const int row = idx / L::CHUNKS, ch = idx % L::CHUNKS;
     const int i = m0 + wrow + row, col = ch * 8;
     if (i >= p.Lq || col >= p.Dv) continue;
@@ -1372,12 +1447,26 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return p;
 }
 
-template <typename T, int DP>
-void run_fwd(const AttnParams& p, int device, cudaStream_t stream) {
-  using Cfg = typename Configs<DP>::Fwd;
+// FASTATTN_CUDA_FWD_ROWS=32: the forward on 32 query rows a warp (Configs<DP>::FwdWide, head
+// dims up to 128), read at each call, so that a GPU session tests and times it beside the default.
+bool wide_forward() {
+  const char* rows = std::getenv("FASTATTN_CUDA_FWD_ROWS");
+  return rows != nullptr && std::strcmp(rows, "32") == 0;
+}
+
+template <typename T, typename Cfg>
+void launch_fwd(const AttnParams& p, int device, cudaStream_t stream) {
   const int64_t blocks = ceil_div(p.Lq, Cfg::BM) * p.B * p.H;
   launch(attn_fwd_kernel<T, Cfg, Cfg::SMEM>, blocks, Cfg::NTHREADS, Cfg::SMEM, p, device, stream,
          "attention_fwd");
+}
+
+template <typename T, int DP>
+void run_fwd(const AttnParams& p, int device, cudaStream_t stream) {
+  if constexpr (DP <= 128) {
+    if (wide_forward()) return launch_fwd<T, typename Configs<DP>::FwdWide>(p, device, stream);
+  }
+  launch_fwd<T, typename Configs<DP>::Fwd>(p, device, stream);
 }
 
 template <typename T, int DP>
