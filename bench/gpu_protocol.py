@@ -117,8 +117,8 @@ _BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null
                         "-q build_ext --inplace"], 160,
               {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "8"})
 # (97-118 s cold on the H100, 2026-11-26.) Calls after "check" should find the build there
-# (warm machine); 130 s if they do not.
-_WARM_BUILD = dataclasses.replace(_BUILD, timeout=100)  # (check builds it: 97 s cold on the H100)
+# (warm machine): seconds.
+_WARM_BUILD = dataclasses.replace(_BUILD, timeout=100)
 _CLI = [PY, "-m", "fastattn.cli"]
 _QUICK_BENCH = ["--op", "attention", "--seq", "1024,4096,16384", "--mask", "none", "--budget", "0.1"]
 
