@@ -3,7 +3,8 @@
 The first GPU run (bench/results/gpu-notes.md) timed the CUDA C++ attention at 0.11-0.27 of
 cuDNN and the Triton backward at 0.33-0.66; times alone do not say why. This script, run on a GPU
 machine whose runtime lets ncu read the counters (Firecracker here, not gVisor), profiles one
-forward + backward of each backend at B1 H16 L4096, D64 and D128, causal or not, bf16, and prints
+forward + backward of each backend (and of the cuda forward's 32-row config) at B1 H16 L4096,
+D64 and D128, causal or not, bf16, and prints
 per kernel: time, SM and memory throughput, achieved occupancy, the tensor pipe's activity,
 shared-memory bank conflicts and the leading warp stall reasons::
 
@@ -29,7 +30,10 @@ import sys
 from pathlib import Path
 
 CASES = [(d, causal) for d in (64, 128) for causal in (False, True)]
-BACKENDS = ("cuda", "triton")
+# "cuda-rows32": the cuda backend with its forward on 32 rows a warp (FASTATTN_CUDA_FWD_ROWS=32,
+# Configs<DP>::FwdWide): whether it moves the bound the 16-row forward is predicted to hit
+# (shared-memory reads, gpu-notes).
+BACKENDS = ("cuda", "cuda-rows32", "triton")
 SHAPE = (1, 16, 4096)  # B, H, L
 
 # (column, metric): what each column shows, in the order printed.
@@ -63,9 +67,14 @@ def workload() -> int:
                                    requires_grad=True) for _ in range(3))
             dout = torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16)
 
+            if backend == "cuda-rows32":
+                os.environ["FASTATTN_CUDA_FWD_ROWS"] = "32"
+            else:
+                os.environ.pop("FASTATTN_CUDA_FWD_ROWS", None)
+
             def step():
                 out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                            backend=backend)
+                                                            backend=backend.split("-")[0])
                 torch.autograd.grad(out, (q, k, v), dout)
 
             for _ in range(2):
