@@ -569,8 +569,13 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         env["device"] = _cpu_name()
         env["cpus"] = os.cpu_count()
         env["cpu_isa"] = _cpu_isa()
-        # the ISA of torch's own CPU kernels (the peers'), capped by $ATEN_CPU_CAPABILITY
+        # the ISA of torch's own CPU kernels (the peers'), capped by $ATEN_CPU_CAPABILITY; its
+        # GEMMs' (oneDNN: bf16 / fp16 matmuls, whose bf16 dot instructions an AVX2 machine
+        # lacks) capped by $ONEDNN_MAX_CPU_ISA, recorded when set
         env["torch_cpu_isa"] = torch.backends.cpu.get_cpu_capability().lower()
+        onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+        if onednn:
+            env["onednn_max_cpu_isa"] = onednn.lower()
         env["cpu_malloc"] = _CPU_MALLOC or "default"
     env["commit"] = _git("rev-parse", "--short", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
