@@ -70,7 +70,7 @@
 // for tile n (its cp.async done in every thread) and after its last read (before tile n + 2
 // overwrites the buffer) --; every cp.async group is waited for before the CTA exits. The
 // forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp; a warp's
-// ldmatrix reads of Q touch only its own rows, whether from registers' first fill or per tile). Every shared and global
+// ldmatrix reads of Q, once or per key tile, touch only its own rows). Every shared and global
 // access is bounds-checked or covered by a static_assert on the tile shapes.
 //
 // NaN rule (docs/numerics.md): a non-finite value a row attends reaches it as IEEE arithmetic
