@@ -404,7 +404,7 @@ def test_attention_dropout_mask_is_the_shared_rng(seed, dtype, rows, monkeypatch
     """q = k = 0 gives uniform P = 1 / L; with v = I the output is keep / ((1 - p) L) exactly,
     so its support is the keep-mask, which must equal the reference's bit for bit."""
     B, H, L, p = 2, 3, 64, 0.4
-    _fwd_rows(rows, monkeypatch, L)
+    _fwd_rows(rows, monkeypatch, 32, L)  # (head dims D, Dv)
     q = torch.zeros(B, H, L, 32, device=DEV, dtype=dtype)
     k = torch.zeros(B, 1, L, 32, device=DEV, dtype=dtype)
     v = torch.eye(L, device=DEV, dtype=dtype).expand(B, 1, L, L)
