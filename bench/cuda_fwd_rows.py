@@ -8,8 +8,8 @@ from 61 to 38 KB/MFLOP at D64 and to 46 at D128 (32-key tiles there: 64 spilled)
 (csrc/cuda/attention.cu, docs/cuda_attention.md): the same 8 warps per SM (registers), twice the
 independent mma per warp: 32 rows 1.15-1.5x faster at D64 and 1.0-1.3x at D128, bf16, L >= 4k.
 
-For each case both variants run alternately in one process (CUDA events, the median of
-``--reps`` calls after a warm-up), their outputs compared (they must agree to bf16 rounding:
+For each case both variants run alternately in one process (``fastattn.bench.time_fn``, the
+benchmark's own timing: do_bench's median), their outputs compared (they must agree to bf16 rounding:
 the same arithmetic in the same order per row), and torch's cuDNN / flash SDPA timed beside
 them as the yardstick. ``--json FILE`` records the rows.
 """
@@ -19,24 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-
 import torch
 import torch.nn.functional as F
 
 import fastattn
-
-
-def _time(fn, reps):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from fastattn.bench import time_fn
 
 
 def _with_rows(rows, fn):
@@ -56,7 +43,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", default="1024,4096,16384")
     parser.add_argument("--d", default="64,128")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--budget", type=float, default=0.05, help="seconds a measurement")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or fastattn.backend_status().get("cuda"):
@@ -74,13 +61,10 @@ def main(argv=None) -> int:
                 narrow, wide = _with_rows(16, attend), _with_rows(32, attend)
                 diff = (narrow().float() - wide().float()).abs().max().item()
                 sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-                for fn in (narrow, wide, sdpa):  # warm-up
-                    fn()
                 t16, t32, ts = [], [], []
                 for _ in range(3):  # alternate, so drift hits both
-                    t16.append(_time(narrow, args.reps))
-                    t32.append(_time(wide, args.reps))
-                    ts.append(_time(sdpa, args.reps))
+                    for fn, times in ((narrow, t16), (wide, t32), (sdpa, ts)):
+                        times.append(time_fn(fn, q.device, args.budget)[0])
                 row = dict(D=d, L=L, B=B, H=heads, causal=causal, ms_16=min(t16), ms_32=min(t32),
                            ms_sdpa=min(ts), max_diff=diff)
                 rows_out.append(row)

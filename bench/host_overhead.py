@@ -130,12 +130,12 @@ def _profile(title, fn, calls=200, top=22):
 def _measure(fn, flush, calls=100, rounds=5):
     """(host us, do_bench us, kernel us) of ``fn``; host time: the best of ``rounds`` bursts of
     ``calls`` calls, few enough that the launch queue (~1000 entries) never fills and blocks."""
-    import triton.testing
     from torch.profiler import ProfilerActivity, profile
 
+    from fastattn.bench import time_fn
+
     host_us = _host_us(fn, calls, rounds)
-    med = triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=[0.5])
-    med = med[0] if isinstance(med, (list, tuple)) else med
+    med = time_fn(fn, torch.device("cuda"), 0.1)[0]  # (do_bench, warm-up 10 ms, 40 ms of runs)
     runs = 50
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
