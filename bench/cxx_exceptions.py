@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def facts() -> str:
         "libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if any(k in l for k in "
         "('gomp', 'omp5', 'stdc++', 'gcc_s'))})",
         "print('mapped after a parallel op:', *libs, sep='\\n  ')"])
-    out.append(_sh(f"{PY} -c {_quote(code)}"))
+    out.append(_sh(f"{PY} -c {shlex.quote(code)}"))
     so = _sh(f"{PY} -c 'import fastattn._C as C; print(C.__file__)' 2>/dev/null | tail -1")
     if so.endswith(".so"):
         out.append("ldd fastattn._C: " + _sh(f"ldd {so} | grep -E 'gomp|omp|stdc|gcc_s' | "
@@ -130,11 +131,6 @@ def facts() -> str:
     out.append("OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") +
                f"; cpus {os.cpu_count()}")
     return "\n".join(out)
-
-
-def _quote(code: str) -> str:
-    import shlex
-    return shlex.quote(code)
 
 
 _USER_OP = r"""
@@ -202,8 +198,12 @@ def main(argv=None) -> int:
     if not args.no_builds:
         print("\nA tiny op (TORCH_CHECK after an at::parallel_for) built with each compiler:")
         with tempfile.TemporaryDirectory(prefix="cxxprobe-") as tmp:
-            variants = [(f"cxxprobe{i}{j}", cxx, ["-O3", "-std=c++17", *extra])
-                        for i, cxx in enumerate(compilers()) for j, extra in enumerate(([], ["-fopenmp"]))]
+            # fastattn's own flags (what the user op of test_extending is built with), and the
+            # same without OpenMP
+            from fastattn.extending import DEFAULT_CFLAGS
+            flag_sets = (list(DEFAULT_CFLAGS), [f for f in DEFAULT_CFLAGS if f != "-fopenmp"])
+            variants = [(f"cxxprobe{i}{j}", cxx, flags) for i, cxx in enumerate(compilers())
+                        for j, flags in enumerate(flag_sets)]
             with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
                 futures = [pool.submit(build_variant, Path(tmp), *v) for v in variants]
                 for future in concurrent.futures.as_completed(futures):  # (a step cut at its

@@ -234,12 +234,9 @@ CALLS: dict[str, list[Step | Lanes]] = {
     #    is; no torch.compile peers.
     "bench-ops": [
         _INSTALL, _WARM_BUILD,
-        Step("bench-decode", [*_CLI, "bench", "--op", "decode", "--quick", "--budget", "0.1",
-                              "--no-compile", "--json", "{out}/bench-decode.json"], 70),
-        Step("bench-varlen", [*_CLI, "bench", "--op", "varlen", "--quick", "--budget", "0.1",
-                              "--no-compile", "--json", "{out}/bench-varlen.json"], 110),
-        Step("bench-jvp", [*_CLI, "bench", "--op", "jvp", "--quick", "--budget", "0.1",
-                           "--no-compile", "--json", "{out}/bench-jvp.json"], 100),
+        *(Step(f"bench-{op}", [*_CLI, "bench", "--op", op, "--quick", "--budget", "0.1",
+                               "--no-compile", "--json", f"{{out}}/bench-{op}.json"], seconds)
+          for op, seconds in (("decode", 70), ("varlen", 110), ("jvp", 100))),
         # The cuda forward on 16 against 32 rows a warp, alternating in one process (the FFN's
         # GPU numbers are in "full").
         Step("cuda-fwd-rows", [PY, "bench/cuda_fwd_rows.py", "--json", "{out}/cuda-fwd-rows.json"],
