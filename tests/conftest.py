@@ -105,6 +105,13 @@ def dtype_for(op, backend, device, *preferred):
     return torch.bfloat16
 
 
+def same_tol(dtype):
+    """torch.testing.assert_close tolerances for two fastattn results that should agree (prefill
+    against the full forward, ours against torch's module): float32's, or bfloat16's for the
+    tests that :func:`dtype_for` moved to bfloat16."""
+    return dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+
+
 def registered_ops(op):
     """pytest params (op overload, device) for the registered compiled ops of ``op``: the C++
     ``fastattn::<op>_fwd`` when the cpu backend has it, and the Triton ``triton_<op>_fwd``."""

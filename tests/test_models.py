@@ -11,7 +11,7 @@ from fastattn.reference import models as reference_models
 from fastattn.models import GPT, GPTConfig, KVCache, Transformer, TransformerConfig
 from fastattn.testing import assert_close_to_reference
 
-from conftest import backend_params, dtype_for
+from conftest import backend_params, dtype_for, same_tol
 
 F64 = torch.float64
 BACKENDS = backend_params("attention")
@@ -154,7 +154,7 @@ def test_gpt_backends(backend, device):
         prefill, _ = model(idx[:, :4].to(device), cache=cache)
         step, _ = model(idx[:, 4:5].to(device), cache=cache)
     assert cache.length == 5
-    tol = dict(rtol=1e-4, atol=1e-5) if dt == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    tol = same_tol(dt)
     torch.testing.assert_close(prefill, logits[:, :4], **tol)
     torch.testing.assert_close(step[:, 0], logits[:, 4], **tol)
 

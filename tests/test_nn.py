@@ -9,7 +9,7 @@ from fastattn import reference
 from fastattn.nn.attention import merge_mha_masks
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params, dtype_for
+from conftest import backend_params, dtype_for, same_tol
 
 F64 = torch.float64
 ATTN_BACKENDS = backend_params("attention")
@@ -259,7 +259,7 @@ def test_mha_backends(backend, device):
     dy = torch.randn(o1.shape, generator=g).to(device, dt)
     g1 = torch.autograd.grad(o1, list(ref_mod.parameters()), dy)
     g2 = torch.autograd.grad(o2, list(ours.parameters()), dy)
-    tol = dict(rtol=1e-4, atol=1e-5) if dt == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    tol = same_tol(dt)
     for a, b in zip(g2, g1):
         torch.testing.assert_close(a, b, **tol)
 
