@@ -589,6 +589,17 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2), Dv = v.size(3);
   const cpu::MaskView mview = cpu::make_mask_view(mask, {B, H, Lq, Lk}, q, "q");
   const Dropout drop = make_dropout(dropout_p, seed);
+  const bool empty = B * H * Lq == 0 || Lk == 0;
+  const Band band = make_band(offset, left, right, Lq, Lk);
+  if (!empty && torch_forward_applies(q, k, v, mask, dropout_p, band)) {
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, std::nullopt, scale);
+    l = l.contiguous();
+    if (torch_forward_kept(q, l)) {
+      log_torch_kernel("forward");
+      return {o.contiguous(), l};
+    }
+  }
+  // (allocated only when our kernel writes them: torch's returns its own)
   at::Tensor out = at::empty({B, H, Lq, Dv}, q.options());
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
   if (B * H * Lq == 0) return {out, lse};
@@ -596,15 +607,6 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
-  }
-  const Band band = make_band(offset, left, right, Lq, Lk);
-  if (torch_forward_applies(q, k, v, mask, dropout_p, band)) {
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, std::nullopt, scale);
-    l = l.contiguous();
-    if (torch_forward_kept(q, l)) {
-      log_torch_kernel("forward");
-      return {o.contiguous(), l};
-    }
   }
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_fwd_cpu", [&] {
     attention_fwd_impl<scalar_t>(q, k, v, mview, scale, band, drop, out, lse);
