@@ -154,7 +154,7 @@ _NOT_ON_GPU = ["test_reference.py", "test_cpu_simd.py", "test_aot_cuda.py", "tes
                "test_bench.py", "test_schemas.py", "test_cuda_kernels.py", "test_nan.py",
                *(Path(t).name for t in KERNEL_TESTS)]
 _OP_TESTS = ["test_attention.py", "test_softmax.py", "test_layer_norm.py", "test_ffn.py",
-             "test_rope.py", "test_sdpa.py"]
+             "test_rope.py", "test_sdpa.py", "test_combinations.py"]
 
 
 def _rest(name, timeout, files=None, exclude=()):

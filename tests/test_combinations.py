@@ -1,0 +1,201 @@
+"""Seeded random combinations of the attention ops' options, every backend against the float64
+reference: attention and varlen forward and backward, paged attention forward (its only mode).
+
+The other tests pick their cases by hand, one option at a time. Here each case draws every option
+at once (dtype, GQA, Dv != D, lengths 1 to 130, odd head dims, six mask kinds with fully masked
+rows, causal top-left / bottom-right, windows, dropout, scale, inputs laid out (B, L, H, D) as a
+model's projections give them), so that options meet in pairs no hand-picked case has. A case's
+id is its seed: ``random.Random(seed)`` draws it again. Outputs run under
+:func:`fastattn.testing.poisoned_outputs`, so a value a kernel leaves unwritten is NaN and fails.
+
+Huge logits are left to test_attention's own test: there the backward's rowsum(dO * O) cancels
+down to rounding noise, the same on torch's kernels, and no tolerance tells that from a bug.
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import fastattn
+from fastattn import reference
+from fastattn.testing import assert_close_to_reference, poisoned_outputs, to_numpy
+
+from conftest import backend_params, skip_refused
+
+#: Cases per backend. Triton runs the first few only: each case is a new shape, interpreted on a
+#: CPU-only machine and compiled (every autotune config) on a GPU.
+CASES = 48
+TRITON_CASES = 12
+
+
+def _seeds(op):
+    params = []
+    for p in backend_params(op):
+        backend, device = p.values
+        for seed in range(TRITON_CASES if backend == "triton" else CASES):
+            params.append(pytest.param(backend, device, seed, id=f"{p.id}-{seed}", marks=p.marks))
+    return params
+
+
+def _tensor(g, shape, device, dtype, blhd=False):
+    """Standard normal values; with ``blhd`` a (B, H, L, D) view of (B, L, H, D) memory."""
+    if blhd:
+        b, h, l, d = shape
+        t = torch.randn(b, l, h, d, generator=g, dtype=torch.float64).transpose(1, 2)
+    else:
+        t = torch.randn(*shape, generator=g, dtype=torch.float64)
+    return t.to(device, dtype)
+
+
+def _mask(kind, shape, g, device, dtype):
+    B, H, Lq, Lk = shape
+    if kind == "bool":  # full, with a fully masked row
+        m = torch.rand(B, H, Lq, Lk, generator=g) > 0.3
+        m[..., 0, :] = False
+        return m.to(device)
+    if kind == "bool-shared":
+        return (torch.rand(1, 1, Lq, Lk, generator=g) > 0.5).to(device)
+    if kind == "bias":
+        return _tensor(g, (B, H, Lq, Lk), device, dtype)
+    if kind == "key-bias":  # (B, 1, 1, Lk)
+        return _tensor(g, (B, 1, 1, Lk), device, dtype)
+    if kind == "bias-inf":  # per head, some keys at -inf
+        m = torch.randn(1, H, Lq, Lk, generator=g, dtype=torch.float64)
+        m[torch.rand(1, H, Lq, Lk, generator=g) > 0.6] = -math.inf
+        return m.to(device, dtype)
+    return None
+
+
+def _draw_attention(seed):
+    r = random.Random(seed)
+    hkv = r.choice([1, 2])
+    d = r.choice([1, 8, 16, 40, 64, 80, 100])
+    return dict(
+        dtype=r.choice([torch.float32, torch.bfloat16, torch.float64]),
+        B=r.choice([1, 2]), H=hkv * r.choice([1, 1, 3]), Hkv=hkv,
+        Lq=r.choice([1, 2, 5, 17, 33, 64, 70]), Lk=r.choice([1, 3, 17, 40, 65, 130]),
+        D=d, Dv=r.choice([d, d, 24, 1]),
+        causal=r.choice([False, False, True, "bottom_right"]),
+        window=r.choice([None, None, (r.randint(0, 20), r.choice([None, 0, 5]))]),
+        mask=r.choice([None, "bool", "bool-shared", "bias", "key-bias", "bias-inf"]),
+        dropout_p=r.choice([0.0, 0.0, 0.0, 0.3]),
+        scale=r.choice([None, None, 0.05, 1.5]),
+        blhd=r.random() < 0.5,
+    )
+
+
+@pytest.mark.parametrize("backend,device,seed", _seeds("attention"))
+def test_attention_combinations(backend, device, seed):
+    c = _draw_attention(seed)
+    dtype = c["dtype"]
+    skip_refused("attention", backend, device, dtype, head_dim=max(c["D"], c["Dv"]))
+    g = torch.Generator().manual_seed(seed)
+    B, H, Hkv, Lq, Lk = c["B"], c["H"], c["Hkv"], c["Lq"], c["Lk"]
+    q = _tensor(g, (B, H, Lq, c["D"]), device, dtype, c["blhd"]).requires_grad_()
+    k = _tensor(g, (B, Hkv, Lk, c["D"]), device, dtype, c["blhd"]).requires_grad_()
+    v = _tensor(g, (B, Hkv, Lk, c["Dv"]), device, dtype, c["blhd"]).requires_grad_()
+    mask = _mask(c["mask"], (B, H, Lq, Lk), g, device, dtype)
+    inputs = [q, k, v]
+    if mask is not None and mask.is_floating_point():
+        mask.requires_grad_()
+        inputs.append(mask)
+    options = dict(causal=c["causal"], window=c["window"], scale=c["scale"], dropout_p=c["dropout_p"],
+                   seed=seed, enable_gqa=H != Hkv)
+    with poisoned_outputs():
+        out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend=backend, **options)
+        dout = _tensor(g, out.shape, device, dtype)
+        grads = torch.autograd.grad(out, inputs, dout)
+
+    np_mask = None if mask is None else to_numpy(mask) if mask.is_floating_point() else mask.cpu().numpy()
+    arrays = [to_numpy(t) for t in (q, k, v)]
+    ref_out, ref_lse = reference.attention(*arrays, np_mask, **options)
+    assert_close_to_reference(out, ref_out, name="out")
+    assert np.array_equal(np.isneginf(to_numpy(lse)), np.isneginf(ref_lse)), "rows with nothing to attend"
+    finite = np.isfinite(ref_lse)  # (lse is float32 whatever the input)
+    lse_err = np.abs(to_numpy(lse)[finite] - ref_lse[finite]).max(initial=0.0)
+    assert lse_err <= (5e-2 if dtype == torch.bfloat16 else 1e-4) * max(1.0, np.abs(ref_lse).max(initial=0.0, where=finite)), lse_err
+    wanted = reference.attention_backward(to_numpy(dout), *arrays, np_mask, **options)
+    for name, got, want in zip(("dq", "dk", "dv", "dmask"), grads, wanted):
+        assert_close_to_reference(got, want, name=name)
+
+
+def _draw_varlen(seed):
+    r = random.Random(seed)
+    hkv = r.choice([1, 2])
+    d = r.choice([1, 8, 40, 64, 80])
+    n = r.randint(1, 4)
+    lq = [r.choice([0, 1, 3, 17, 40]) for _ in range(n)]
+    return dict(
+        dtype=r.choice([torch.float32, torch.bfloat16, torch.float64]),
+        H=hkv * r.choice([1, 2, 3]), Hkv=hkv, D=d, Dv=r.choice([d, 16]),
+        lq=lq, lk=[r.choice([0, 1, 5, 17, 70]) if r.random() < 0.5 else n_q for n_q in lq],
+        causal=r.choice([False, True, "bottom_right"]),
+        window=r.choice([None, None, (r.randint(0, 9), r.choice([None, 0, 3]))]),
+        scale=r.choice([None, 0.3]),
+        dropout_p=r.choice([0.0, 0.0, 0.25]),
+    )
+
+
+@pytest.mark.parametrize("backend,device,seed", _seeds("varlen_attention"))
+def test_varlen_combinations(backend, device, seed):
+    c = _draw_varlen(seed)
+    dtype = c["dtype"]
+    skip_refused("varlen_attention", backend, device, dtype, head_dim=max(c["D"], c["Dv"]))
+    g = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = (torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=device) for lens in (c["lq"], c["lk"]))
+    q = _tensor(g, (sum(c["lq"]), c["H"], c["D"]), device, dtype).requires_grad_()
+    k = _tensor(g, (sum(c["lk"]), c["Hkv"], c["D"]), device, dtype).requires_grad_()
+    v = _tensor(g, (sum(c["lk"]), c["Hkv"], c["Dv"]), device, dtype).requires_grad_()
+    options = dict(causal=c["causal"], window=c["window"], scale=c["scale"], dropout_p=c["dropout_p"], seed=seed)
+    with poisoned_outputs():
+        out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, max(c["lq"]), max(c["lk"]), backend=backend, **options)
+        dout = _tensor(g, out.shape, device, dtype)
+        grads = torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
+
+    arrays = [to_numpy(t) for t in (q, k, v)] + [cu_q.cpu().numpy(), cu_k.cpu().numpy()]
+    ref_out, _ = reference.varlen_attention(*arrays, **options)
+    assert_close_to_reference(out, ref_out, name="out")
+    wanted = reference.varlen_attention_backward(to_numpy(dout), *arrays, **options)
+    for name, t, got, want in zip(("dq", "dk", "dv"), (q, k, v), grads, wanted):
+        assert_close_to_reference(torch.zeros_like(t) if got is None else got, want, name=name)
+
+
+def _draw_paged(seed):
+    r = random.Random(seed)
+    hkv = r.choice([1, 2])
+    d = r.choice([1, 8, 40, 64, 80])
+    B, Lq = r.randint(1, 3), r.choice([1, 1, 2, 5])
+    return dict(
+        dtype=r.choice([torch.float32, torch.bfloat16, torch.float64]),
+        H=hkv * r.choice([1, 2, 3]), Hkv=hkv, D=d, Dv=r.choice([d, 16]), Lq=Lq,
+        block_size=r.choice([1, 4, 16]), spare_blocks=r.randint(0, 2),
+        lens=[r.choice([Lq, Lq + 1, 17, 40, 100]) for _ in range(B)],
+        causal=r.choice(["bottom_right", False]),
+        window=r.choice([None, None, (r.randint(0, 9), r.choice([None, 0, 3]))]),
+        scale=r.choice([None, 0.3]),
+    )
+
+
+@pytest.mark.parametrize("backend,device,seed", _seeds("paged_attention"))
+def test_paged_combinations(backend, device, seed):
+    c = _draw_paged(seed)
+    dtype = c["dtype"]
+    skip_refused("paged_attention", backend, device, dtype, head_dim=max(c["D"], c["Dv"]))
+    g = torch.Generator().manual_seed(seed)
+    B, bs = len(c["lens"]), c["block_size"]
+    per_row = max(math.ceil(n / bs) for n in c["lens"]) + c["spare_blocks"]
+    blocks = B * per_row + 3  # blocks no row owns, in a shuffled table
+    table = torch.randperm(blocks, generator=g)[: B * per_row].reshape(B, per_row).to(device, torch.int32)
+    k_cache = _tensor(g, (blocks, bs, c["Hkv"], c["D"]), device, dtype)
+    v_cache = _tensor(g, (blocks, bs, c["Hkv"], c["Dv"]), device, dtype)
+    q = _tensor(g, (B, c["H"], c["Lq"], c["D"]), device, dtype)
+    seqlens = torch.tensor(c["lens"], dtype=torch.int32, device=device)
+    options = dict(causal=c["causal"], window=c["window"], scale=c["scale"])
+    with poisoned_outputs():
+        out = fastattn.paged_attention(q, k_cache, v_cache, table, seqlens, backend=backend, **options)
+    arrays = [to_numpy(t) for t in (q, k_cache, v_cache)] + [table.cpu().numpy(), seqlens.cpu().numpy()]
+    ref_out, _ = reference.paged_attention(*arrays, **options)
+    assert_close_to_reference(out, ref_out, name="out")
