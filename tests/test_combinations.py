@@ -40,6 +40,14 @@ def _seeds(op):
     return params
 
 
+def _drawn(op, draw, backend, device, seed):
+    """Case ``seed`` of ``draw`` and the generator of its values; skipped where ``backend``
+    refuses its dtype or head dims."""
+    c = draw(seed)
+    skip_refused(op, backend, device, c["dtype"], head_dim=max(c["D"], c["Dv"]))
+    return c, torch.Generator().manual_seed(seed)
+
+
 def _tensor(g, shape, device, dtype, blhd=False):
     """Standard normal values; with ``blhd`` a (B, H, L, D) view of (B, L, H, D) memory."""
     if blhd:
@@ -89,10 +97,8 @@ def _draw_attention(seed):
 
 @pytest.mark.parametrize("backend,device,seed", _seeds("attention"))
 def test_attention_combinations(backend, device, seed):
-    c = _draw_attention(seed)
+    c, g = _drawn("attention", _draw_attention, backend, device, seed)
     dtype = c["dtype"]
-    skip_refused("attention", backend, device, dtype, head_dim=max(c["D"], c["Dv"]))
-    g = torch.Generator().manual_seed(seed)
     B, H, Hkv, Lq, Lk = c["B"], c["H"], c["Hkv"], c["Lq"], c["Lk"]
     q = _tensor(g, (B, H, Lq, c["D"]), device, dtype, c["blhd"]).requires_grad_()
     k = _tensor(g, (B, Hkv, Lk, c["D"]), device, dtype, c["blhd"]).requires_grad_()
@@ -141,10 +147,8 @@ def _draw_varlen(seed):
 
 @pytest.mark.parametrize("backend,device,seed", _seeds("varlen_attention"))
 def test_varlen_combinations(backend, device, seed):
-    c = _draw_varlen(seed)
+    c, g = _drawn("varlen_attention", _draw_varlen, backend, device, seed)
     dtype = c["dtype"]
-    skip_refused("varlen_attention", backend, device, dtype, head_dim=max(c["D"], c["Dv"]))
-    g = torch.Generator().manual_seed(seed)
     cu_q, cu_k = (torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=device) for lens in (c["lq"], c["lk"]))
     q = _tensor(g, (sum(c["lq"]), c["H"], c["D"]), device, dtype).requires_grad_()
     k = _tensor(g, (sum(c["lk"]), c["Hkv"], c["D"]), device, dtype).requires_grad_()
@@ -181,10 +185,8 @@ def _draw_paged(seed):
 
 @pytest.mark.parametrize("backend,device,seed", _seeds("paged_attention"))
 def test_paged_combinations(backend, device, seed):
-    c = _draw_paged(seed)
+    c, g = _drawn("paged_attention", _draw_paged, backend, device, seed)
     dtype = c["dtype"]
-    skip_refused("paged_attention", backend, device, dtype, head_dim=max(c["D"], c["Dv"]))
-    g = torch.Generator().manual_seed(seed)
     B, bs = len(c["lens"]), c["block_size"]
     per_row = max(math.ceil(n / bs) for n in c["lens"]) + c["spare_blocks"]
     blocks = B * per_row + 3  # blocks no row owns, in a shuffled table
