@@ -5,8 +5,8 @@ The other tests pick their cases by hand, one option at a time. Here each case d
 at once (dtype, GQA, Dv != D, lengths 1 to 130, odd head dims, six mask kinds with fully masked
 rows, causal top-left / bottom-right, windows, dropout, scale, inputs laid out (B, L, H, D) as a
 model's projections give them), so that options meet in pairs no hand-picked case has. A case's
-id is its seed: ``random.Random(seed)`` draws it again. Outputs run under
-:func:`fastattn.testing.poisoned_outputs`, so a value a kernel leaves unwritten is NaN and fails.
+id is its seed: ``random.Random(seed)`` draws it again. As in every test (conftest's poisoned
+outputs), a value a kernel leaves unwritten is NaN and fails.
 
 Huge logits are left to test_attention's own test: there the backward's rowsum(dO * O) cancels
 down to rounding noise, the same on torch's kernels, and no tolerance tells that from a bug.
@@ -21,7 +21,7 @@ import torch
 
 import fastattn
 from fastattn import reference
-from fastattn.testing import assert_close_to_reference, poisoned_outputs, to_numpy
+from fastattn.testing import assert_close_to_reference, to_numpy
 
 from conftest import backend_params, skip_refused
 
@@ -110,10 +110,9 @@ def test_attention_combinations(backend, device, seed):
         inputs.append(mask)
     options = dict(causal=c["causal"], window=c["window"], scale=c["scale"], dropout_p=c["dropout_p"],
                    seed=seed, enable_gqa=H != Hkv)
-    with poisoned_outputs():
-        out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend=backend, **options)
-        dout = _tensor(g, out.shape, device, dtype)
-        grads = torch.autograd.grad(out, inputs, dout)
+    out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend=backend, **options)
+    dout = _tensor(g, out.shape, device, dtype)
+    grads = torch.autograd.grad(out, inputs, dout)
 
     np_mask = None if mask is None else to_numpy(mask) if mask.is_floating_point() else mask.cpu().numpy()
     arrays = [to_numpy(t) for t in (q, k, v)]
@@ -154,10 +153,9 @@ def test_varlen_combinations(backend, device, seed):
     k = _tensor(g, (sum(c["lk"]), c["Hkv"], c["D"]), device, dtype).requires_grad_()
     v = _tensor(g, (sum(c["lk"]), c["Hkv"], c["Dv"]), device, dtype).requires_grad_()
     options = dict(causal=c["causal"], window=c["window"], scale=c["scale"], dropout_p=c["dropout_p"], seed=seed)
-    with poisoned_outputs():
-        out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, max(c["lq"]), max(c["lk"]), backend=backend, **options)
-        dout = _tensor(g, out.shape, device, dtype)
-        grads = torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
+    out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, max(c["lq"]), max(c["lk"]), backend=backend, **options)
+    dout = _tensor(g, out.shape, device, dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
 
     arrays = [to_numpy(t) for t in (q, k, v)] + [cu_q.cpu().numpy(), cu_k.cpu().numpy()]
     ref_out, _ = reference.varlen_attention(*arrays, **options)
@@ -196,8 +194,7 @@ def test_paged_combinations(backend, device, seed):
     q = _tensor(g, (B, c["H"], c["Lq"], c["D"]), device, dtype)
     seqlens = torch.tensor(c["lens"], dtype=torch.int32, device=device)
     options = dict(causal=c["causal"], window=c["window"], scale=c["scale"])
-    with poisoned_outputs():
-        out = fastattn.paged_attention(q, k_cache, v_cache, table, seqlens, backend=backend, **options)
+    out = fastattn.paged_attention(q, k_cache, v_cache, table, seqlens, backend=backend, **options)
     arrays = [to_numpy(t) for t in (q, k_cache, v_cache)] + [table.cpu().numpy(), seqlens.cpu().numpy()]
     ref_out, _ = reference.paged_attention(*arrays, **options)
     assert_close_to_reference(out, ref_out, name="out")
