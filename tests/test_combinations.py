@@ -1,10 +1,12 @@
-"""Seeded random combinations of the attention ops' options, every backend against the float64
-reference: attention and varlen forward and backward, paged attention forward (its only mode).
+"""Seeded random combinations of the options of the ops that have many, every backend against the
+float64 reference: attention and varlen forward and backward, paged attention forward (its only
+mode), and the norms (LayerNorm / RMSNorm, with and without the fused residual add).
 
 The other tests pick their cases by hand, one option at a time. Here each case draws every option
 at once (dtype, GQA, Dv != D, lengths 1 to 130, odd head dims, six mask kinds with fully masked
 rows, causal top-left / bottom-right, windows, dropout, scale, inputs laid out (B, L, H, D) as a
-model's projections give them), so that options meet in pairs no hand-picked case has. A case's
+model's projections give them; for the norms: residual, RMS, 1-D or 2-D normalized shapes,
+weight and bias or not, eps, strided rows), so that options meet in pairs no hand-picked case has. A case's
 id is its seed: ``random.Random(seed)`` draws it again. As in every test (conftest's poisoned
 outputs), a value a kernel leaves unwritten is NaN and fails.
 
@@ -18,6 +20,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fastattn
 from fastattn import reference
@@ -42,9 +45,10 @@ def _seeds(op):
 
 def _drawn(op, draw, backend, device, seed):
     """Case ``seed`` of ``draw`` and the generator of its values; skipped where ``backend``
-    refuses its dtype or head dims."""
+    refuses its dtype or (attention) head dims."""
     c = draw(seed)
-    skip_refused(op, backend, device, c["dtype"], head_dim=max(c["D"], c["Dv"]))
+    facts = {"head_dim": max(c["D"], c["Dv"])} if "D" in c else {}
+    skip_refused(op, backend, device, c["dtype"], **facts)
     return c, torch.Generator().manual_seed(seed)
 
 
@@ -198,3 +202,68 @@ def test_paged_combinations(backend, device, seed):
     arrays = [to_numpy(t) for t in (q, k_cache, v_cache)] + [table.cpu().numpy(), seqlens.cpu().numpy()]
     ref_out, _ = reference.paged_attention(*arrays, **options)
     assert_close_to_reference(out, ref_out, name="out")
+
+
+def _draw_norm(seed):
+    r = random.Random(seed)
+    normalized = [r.choice([1, 3, 17, 100, 769, 2049])]
+    if r.random() < 0.3:
+        normalized.insert(0, r.choice([2, 3]))
+    rms = r.random() < 0.5
+    return dict(
+        dtype=r.choice([torch.float32, torch.bfloat16, torch.float16]),
+        rms=rms, residual=r.random() < 0.5,
+        lead=[r.choice([1, 2, 5]), *([r.choice([1, 3])] if r.random() < 0.5 else [])],
+        normalized=tuple(normalized),
+        weight=r.random() < 0.75, bias=not rms and r.random() < 0.5,
+        eps=r.choice([1e-5, 1e-6, 0.1]), offset=r.choice([0.0, 0.0, 10.0]),
+        strided=r.random() < 0.3,
+    )
+
+
+@pytest.mark.parametrize("backend,device,seed", _seeds("layer_norm"))
+def test_norm_combinations(backend, device, seed):
+    c, g = _drawn("layer_norm", _draw_norm, backend, device, seed)
+    dtype, ns, eps = c["dtype"], c["normalized"], c["eps"]
+    shape = (*c["lead"], *ns)
+
+    def values(shape, scale=1.0, offset=0.0, strided=False):
+        # strided: rows 3 elements apart, as a slice of a wider tensor leaves them
+        t = torch.randn(*shape[:-1], shape[-1] + 3 * strided, generator=g, dtype=torch.float64)
+        return (t[..., : shape[-1]] * scale + offset).to(device, dtype).requires_grad_()
+
+    x = values(shape, 2.0, c["offset"], c["strided"])
+    residual = values(shape) if c["residual"] else None
+    weight = values(ns, 0.5, 1.0) if c["weight"] else None
+    bias = values(ns, 0.5) if c["bias"] else None
+
+    rms, fused = c["rms"], c["residual"]
+    if fused:
+        outs = fastattn.add_layer_norm(x, residual, ns, weight, bias, eps, rms=rms, backend=backend)
+        h = x + residual  # (the fused op's h: the sum in the input dtype)
+    else:
+        outs = (fastattn.rms_norm(x, ns, weight, eps, backend=backend) if rms
+                else fastattn.layer_norm(x, ns, weight, bias, eps, backend=backend),)
+        h = x
+    base = F.rms_norm(h, ns, weight, eps) if rms else F.layer_norm(h, ns, weight, bias, eps)
+    h64, w64 = to_numpy(h), None if weight is None else to_numpy(weight)
+    if rms:
+        ref, _ = reference.rms_norm(h64, ns, w64, eps)
+    else:
+        ref, _, _ = reference.layer_norm(h64, ns, w64, None if bias is None else to_numpy(bias), eps)
+    assert_close_to_reference(outs[0], ref, base, name="y")
+    if fused:
+        assert torch.equal(outs[1], h), "h must be input + residual in the input dtype"
+
+    cotangents = [torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype) for _ in range(1 + fused)]
+    inputs = [t for t in (x, residual, weight, bias) if t is not None]
+    grads = torch.autograd.grad(outs, inputs, cotangents)
+    base_grads = torch.autograd.grad([base, h][: 1 + fused], inputs, cotangents)
+    backward = reference.rms_norm_backward if rms else reference.layer_norm_backward
+    dh, dweight, *dbias = backward(to_numpy(cotangents[0]), h64, ns, w64, eps)
+    if fused:
+        dh = dh + to_numpy(cotangents[1])  # h's own gradient flows to input and residual alike
+    wanted = {"dx": dh, "dresidual": dh, "dweight": dweight, "dbias": dbias[0] if dbias else None}
+    names = [n for n, t in zip(wanted, (x, residual, weight, bias)) if t is not None]
+    for name, got, baseline in zip(names, grads, base_grads):
+        assert_close_to_reference(got, wanted[name], baseline, name=name)
