@@ -170,6 +170,7 @@ def main(argv=None) -> int:
         for provider, call in runnable.items():
             for mode in ("fwd", "fwd_bwd"):
                 row = dict(case=name, mode=mode, provider=provider)
+                rows.append(row)  # (filled in below; the JSON keeps a failure too)
                 try:
                     fn = _callable(call, inputs, mode)
                     row.update(zip(("host_us", "do_bench_us", "kernel_us"), _measure(fn, flush)))
@@ -180,9 +181,7 @@ def main(argv=None) -> int:
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
                     print(f"{name:28} {mode:8} {provider:16} {row['error']}", flush=True)
                     torch.cuda.synchronize()
-                    rows.append(row)  # (the JSON keeps the failure too)
                     continue
-                rows.append(row)
                 print(f"{name:28} {mode:8} {provider:16} {row['host_us']:8.1f} "
                       f"{row['do_bench_us']:12.1f} {row['kernel_us']:10.1f} "
                       f"{row['host_us_one_thread']:10.1f}", flush=True)
