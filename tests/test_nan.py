@@ -160,10 +160,10 @@ def _check_rule(name, L, ref):
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")], ids=["inf", "-inf"])
 def test_full_band_infinite_query_rows(backend, device, value):
-    """Nothing masked (the band the cpu backend hands to torch's own CPU kernel), one query row
-    with an infinite feature and one all infinite: their scores hold +-inf, so IEEE arithmetic
-    (the reference) makes both rows NaN and leaves the others exact. torch 2.13's AVX-512 kernel
-    outputs 0 with lse 0 for such rows; the cpu backend must notice and not keep that."""
+    """Nothing masked, one query row with an infinite feature and one all infinite: their scores
+    hold +-inf, so IEEE arithmetic (the reference) makes both rows NaN and leaves the others
+    exact. (torch 2.13's AVX-512 CPU flash kernel outputs 0 with lse 0 for such rows: a kernel
+    must not take a shortcut there.)"""
     if backend == "cuda":
         pytest.skip("the cuda attention kernels take float16 / bfloat16 only")
     B, H, L, D = 1, 2, 9, 16
