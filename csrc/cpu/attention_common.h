@@ -339,8 +339,10 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
       const T* kh = k + b * ks.s0 + g * ks.s1;
       const T* vh = v + b * vs.s0 + g * vs.s1;
       A* kout = kt + (bg * nkb + t) * sh.D * tile;
-      for (int64_t c0 = 0; c0 < std::max(nq, nk); c0 += kColumnGroup) {
-        for (int64_t c = c0, r = t * tile + c0; c < std::min(c0 + kColumnGroup, std::max(nq, nk)); ++c, ++r) {
+      const int64_t n = std::max(nq, nk);
+      for (int64_t c0 = 0; c0 < n; c0 += kColumnGroup) {
+        for (int64_t c = c0; c < std::min(c0 + kColumnGroup, n); ++c) {
+          const int64_t r = t * tile + c;
           if (c < nq) pack_row(qh + r * qs.s2, qp + (bh * sh.Lq + r) * sh.D, sh.D, sh.D, scale);
           if (c < nk) {
             pack_row(kh + r * ks.s2, kbuf.data() + (c - c0) * sh.D, sh.D, sh.D, A(1));
