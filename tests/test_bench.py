@@ -306,8 +306,9 @@ def test_cpu_providers_are_timed_in_interleaved_rounds():
     assert sorted(order[:3]) == sorted(order[3:6]) == ["a", "b", "c"] and sorted(order[6:]) == ["a", "b"]
     assert order.count("c") == 2 and order[:3] != order[3:6]  # (seeded: the same shuffles every run)
     assert isinstance(results[2], RuntimeError) and str(results[2]) == "c failed"
-    for median, p20, p80 in results[:2]:
-        assert 0 <= p20 <= median <= p80
+    for samples in results[:2]:
+        median, p20, p80 = samples.summary()
+        assert 0 <= p20 <= median <= p80 and sorted(samples.by_round) == [0, 1, 2]
 
     # run_case: every provider warmed up (first calls in provider order), then timed in rounds
     calls = []
@@ -326,6 +327,17 @@ def test_cpu_providers_are_timed_in_interleaved_rounds():
     assert calls[:2] == ["p", "q"] and all(r.ms for r in rows)
     assert all(sorted(calls[i:i + 2]) == ["p", "q"] for i in range(2, 6, 2))  # rounds: one call each
 
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    """A slowdown that hit rounds 3-6, where only the slower call still ran, moves a ratio of
+    medians 5x; the per-round ratio over the rounds both ran does not move."""
+    fast = bench.Samples({0: 1.0, 1: 1.0, 2: 1.0, 3: 5.0, 4: 5.0})
+    slow = bench.Samples({0: 2.0, 1: 2.0, 2: 2.0, 3: 10.0, 4: 10.0, 5: 10.0, 6: 10.0})
+    assert bench.paired_ratio(slow, fast) == 2.0 and bench.paired_ratio(fast, slow) == 0.5
+    assert slow.summary()[0] / fast.summary()[0] == 10.0
+    assert bench.paired_ratio(fast, bench.Samples({9: 1.0})) is None
+    assert bench.paired_ratio(None, fast) is None
 
 _FAULTS = """
 import resource, torch

@@ -18,6 +18,7 @@ import ctypes
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -139,7 +140,32 @@ def time_fn(
     (result,) = sample_interleaved([fn], budget_s)
     if isinstance(result, Exception):
         raise result
-    return result
+    return result.summary()
+
+
+@dataclasses.dataclass
+class Samples:
+    """One call's CPU timings from :func:`sample_interleaved`: milliseconds by round."""
+
+    by_round: dict[int, float]
+
+    def summary(self) -> tuple[float, float, float]:
+        """(median, 20th, 80th percentile) milliseconds."""
+        ts = list(self.by_round.values())
+        q = statistics.quantiles(ts, n=10, method="inclusive")
+        return statistics.median(ts), q[1], q[7]
+
+
+def paired_ratio(num: Samples | None, den: Samples | None) -> float | None:
+    """The median over the rounds both calls ran of ``num``'s time / ``den``'s: a slowdown of
+    the machine that lasts a round (another process, a noisy neighbour) falls on both sides of
+    each ratio, where a ratio of two medians takes it whole when it hit one call's samples more
+    than the other's (on this project's 2-core VM: ratios of medians moved 5-10% from run to
+    run, paired ones 1-2%). None without common rounds."""
+    if num is None or den is None:
+        return None
+    common = num.by_round.keys() & den.by_round.keys()
+    return statistics.median(num.by_round[k] / den.by_round[k] for k in common) if common else None
 
 
 def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> list:
@@ -151,19 +177,21 @@ def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> l
     provider in fixed order, the one after the other provider took 2-3.5% longer every time), so
     with a fixed order each call would pay for its own predecessor. Each call stays in the
     rounds until its own samples add up to ``budget_s`` with at least 5 of them (3 once they add
-    up to 3x the budget), or 200. Returns (median, 20th, 80th percentile) milliseconds per call,
-    or the exception a call raised (it leaves the rounds)."""
-    times: list[list[float]] = [[] for _ in calls]
+    up to 3x the budget), or 200. Returns each call's :class:`Samples`, or the exception it
+    raised (it leaves the rounds)."""
+    times: list[dict[int, float]] = [{} for _ in calls]
     results: list = [None] * len(calls)
     shuffle = random.Random(0).shuffle
 
     def done(ts):
-        spent = sum(ts) / 1e3
+        spent = sum(ts.values()) / 1e3
         return len(ts) >= 200 or (len(ts) >= 5 and spent >= budget_s) or (
             len(ts) >= 3 and spent >= 3 * budget_s)
 
     active = list(range(len(calls)))
-    while active:
+    for round_ in itertools.count():
+        if not active:
+            break
         shuffle(active)
         for i in list(active):
             start = time.perf_counter()
@@ -173,14 +201,10 @@ def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> l
                 results[i] = exc
                 active.remove(i)
                 continue
-            times[i].append((time.perf_counter() - start) * 1e3)
+            times[i][round_] = (time.perf_counter() - start) * 1e3
             if done(times[i]):
                 active.remove(i)
-    for i, ts in enumerate(times):
-        if results[i] is None:
-            q = statistics.quantiles(ts, n=10, method="inclusive")
-            results[i] = (statistics.median(ts), q[1], q[7])
-    return results
+    return [r if r is not None else Samples(ts) for r, ts in zip(results, times)]
 
 
 @functools.cache
@@ -396,6 +420,7 @@ def run_case(
         ref_error = exc
     rows = []
     pending = []  # CPU: (row, call) timed side by side once every provider is warm
+    samples: dict[str, Samples] = {}  # CPU: each provider's times by round
     for name, fn in providers.items():
         row = Result(
             case.op, case.shape, str(case.dtype).replace("torch.", ""), case.mode, name,
@@ -459,7 +484,8 @@ def run_case(
             if isinstance(timing, Exception):
                 row.error = _error_message(timing, [])
                 continue
-            row.ms, row.ms_p20, row.ms_p80 = timing
+            row.ms, row.ms_p20, row.ms_p80 = timing.summary()
+            samples[row.provider] = timing
             if case.cpu_memory:
                 row.peak_mem_mb = cpu_peak_mb(call)
     for row in rows:
@@ -472,13 +498,16 @@ def run_case(
                 row.peak_fraction = row.tflops / peaks["matmul_tflops"]
     if ref_error is not None and rows:
         print(f"fastattn bench: the reference of {case.op} {case.shape} {case.mode} failed: {ref_error}", file=sys.stderr)
-    naive = next((r.ms for r in rows if r.provider == NAIVE and r.ms), None)
-    peer = min((r.ms for r in rows if r.provider.startswith(TORCH_PREFIX) and r.ms), default=None)
+    # Speedups: on a CPU the median of the per-round ratios (paired_ratio; every provider ran in
+    # the same rounds), on a GPU (do_bench per provider) the ratio of the medians.
+    naive = next((r for r in rows if r.provider == NAIVE and r.ms), None)
+    peer = min((r for r in rows if r.provider.startswith(TORCH_PREFIX) and r.ms),
+               key=lambda r: r.ms, default=None)
     for r in rows:
-        if r.ms and naive:
-            r.speedup_vs_naive = naive / r.ms
-        if r.ms and peer:
-            r.speedup_vs_torch = peer / r.ms
+        for base, field in ((naive, "speedup_vs_naive"), (peer, "speedup_vs_torch")):
+            if r.ms and base is not None:
+                paired = paired_ratio(samples.get(base.provider), samples.get(r.provider))
+                setattr(r, field, base.ms / r.ms if paired is None else paired)
     return rows
 
 
