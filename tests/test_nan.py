@@ -285,7 +285,9 @@ def test_nan_rule_varlen(backend, device):
 @pytest.mark.parametrize("backend,device", PAGED_BACKENDS)
 def test_nan_rule_paged(backend, device):
     """Paged decoding: NaN in a cache's unwritten slots and spare blocks never leaks; a NaN
-    value only the last new token attends reaches only that row."""
+    value only the last new token attends reaches only that row; a NaN key reaches the rows that
+    attend it, a NaN query its own row (whose scores are all NaN: a max that drops NaN would
+    leave that row 0)."""
     H, Hkv, D, bs, Lq = 2, 1, 16, 4, 3
     g = torch.Generator().manual_seed(4)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).float()  # noqa: E731
@@ -297,13 +299,17 @@ def test_nan_rule_paged(backend, device):
         c[4, 3:] = NAN   # sequence 1: slot past its 11 keys
         c[5] = NAN       # a spare block
     vc[4, 2, :, 5] = NAN  # sequence 1, key 10: only its last query row attends it
+    kc[1, 0, :, 7] = NAN  # sequence 0, key 4: its rows 1 and 2 attend it
     q = mk(2, H, Lq, D)
+    q[1, 0, 0, 4] = NAN   # sequence 1, head 0, row 0
     out, lse = fastattn.paged_attention(q.to(device), kc.to(device), vc.to(device),
                                         table.to(device), seqlens.to(device),
                                         causal="bottom_right", return_lse=True, backend=backend)
     want = reference.paged_attention(to_numpy(q), to_numpy(kc), to_numpy(vc), table.numpy(),
                                      seqlens.numpy(), causal="bottom_right")
-    assert np.isnan(want[0][1, :, 2, 5]).all() and not np.isnan(np.delete(want[0], 5, -1)).any()
+    nan_rows = np.isnan(want[0]).any(-1)
+    assert nan_rows[0, :, 1:].all() and nan_rows[1, 0, 0] and nan_rows.sum() == 2 * H + 1 + H
+    assert np.isnan(want[0][1, :, 2, 5]).all() and not np.isnan(np.delete(want[0][1, :, 2], 5, -1)).any()
     _assert_matches([out, lse], list(want), torch.float32)
 
 

@@ -259,6 +259,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
 
 constexpr int64_t kPagedTile = 64;  // keys gathered (and converted) per step
 
+// max(a, b), NaN when either is (std::max keeps its first argument against a NaN, which would
+// drop a row's attended NaN score: the NaN rule of docs/numerics.md wants it in the output).
+template <class A>
+inline A nan_max(A a, A b) {
+  return a != a || b != b ? a + b : std::max(a, b);
+}
+
 template <class T>
 struct PagedArgs {
   using A = cpu::acc_t<T>;
@@ -372,8 +379,8 @@ FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& n
         if (lo > hi) continue;
         A* sc = scores.data() + r * TK;
         A mt = ninf;
-        for (int64_t jj = lo; jj <= hi; ++jj) mt = std::max(mt, sc[jj]);
-        const A m_new = std::max(m[r], mt);
+        for (int64_t jj = lo; jj <= hi; ++jj) mt = nan_max(mt, sc[jj]);
+        const A m_new = nan_max(m[r], mt);
         const A alpha = m[r] == ninf ? A(0) : cpu::sexp(m[r] - m_new);
         A sum = 0;
         for (int64_t jj = 0; jj < nv; jj += W) {
@@ -448,7 +455,7 @@ void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       const int64_t g = h / group, r = (h % group) * Lq + i;
       A M = -std::numeric_limits<A>::infinity();
       for (int64_t sp = 0; sp < splits; ++sp)
-        M = std::max(M, pm[((b * Hkv + g) * splits + sp) * rows + r]);
+        M = nan_max(M, pm[((b * Hkv + g) * splits + sp) * rows + r]);
       std::fill(acc.begin(), acc.end(), A(0));
       A l = 0;
       if (M != -std::numeric_limits<A>::infinity()) {
@@ -461,8 +468,9 @@ void paged_fwd_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
         }
       }
       T* oi = O + b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
-      for (int64_t d = 0; d < Dv; ++d) oi[d] = static_cast<T>(l > 0 ? acc[d] / l : A(0));
-      Lse[x] = l > 0 ? static_cast<float>(M + std::log(l)) : -std::numeric_limits<float>::infinity();
+      const bool live = !(l == A(0));  // a NaN l is a NaN row (an attended NaN), not an empty one
+      for (int64_t d = 0; d < Dv; ++d) oi[d] = static_cast<T>(live ? acc[d] / l : A(0));
+      Lse[x] = live ? static_cast<float>(M + std::log(l)) : -std::numeric_limits<float>::infinity();
     }
   });
 }
