@@ -18,7 +18,13 @@
 //   type A (float; double for float64) into the layouts the tile GEMMs stream: row-major, the
 //   head dim zero-padded to 64 bytes, or transposed tiles (dim x tile). Q is packed times `scale`.
 //   That is O((Lq + Lk) * D) memory. The workers depend on A only; float16 / bfloat16 outputs are
-//   computed in A and rounded once at the end.
+//   computed in A and rounded once at the end. In the forward a key tile serves nqb * G tasks;
+//   where that is at most two, each task packs the k / v tiles it uses into its own buffers
+//   instead (pack_kv_tile), in cache, and only q is packed first.
+// * Few queries (at most kDecodeRows rows per kv head, no mask, no dropout): the forward runs as
+//   decoding, through the paged forward's split-KV worker reading k and v rows in place
+//   (cpu::dense_decode_fwd, csrc/cpu/varlen.cpp). Packing costs O(Lk * D), as much as the
+//   attention itself at one query.
 // * Forward: one task per (query block of kFwdBlockQ rows, b, h). It visits only the key tiles
 //   (kFwdBlockK keys) that intersect the band, each cut to the keys some row of the block can see
 //   (trim_to_band), and none that a key-padding mask removes whole (masked_key_tiles; both exact:
@@ -95,6 +101,10 @@ struct FwdArgs {
   float* lse;
   A* lse_acc;
   int64_t lse_ld;
+  // Set when each task packs the key tiles it uses (kt, vp and v_bad are then unused):
+  // pack_tile(pack_ctx, bg, kb, kt, vp, buf) writes tile kb of kv head bg as pack_kv_tile does.
+  void (*pack_tile)(const void*, int64_t, int64_t, A*, A*, A*) = nullptr;
+  const void* pack_ctx = nullptr;
 };
 
 template <class V, bool kStats>
@@ -106,6 +116,11 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
   const A neg_inf = -std::numeric_limits<A>::infinity();
   std::vector<A> sbuf((BQ + R) * BK), obuf(kStats ? 0 : (BQ + R) * std::max(Dvp, W));
   std::vector<A> m(BQ), l(BQ), z(p.drop.on ? BK : 0);
+  const bool local = p.pack_tile != nullptr;
+  std::vector<A> ktile(local ? D * BK : 0), vtile(local ? (BK + R) * Dvp : 0, A(0));
+  std::vector<A> kbuf(local ? kColumnGroup * D : 0);
+  int64_t held = -1;  // the tile ktile / vtile hold (bg * nkb + kb)
+  bool held_bad = false;
   const int64_t ntasks = sh.B * sh.H * p.nqb;
   for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
     const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, BQ, p.drop);
@@ -119,9 +134,16 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
       if (flagged(p.dead, bh * p.nkb + kb)) continue;  // a key-padding mask removes the whole tile
       const KeyTile tile = trim_to_band(key_tile(p.band, i0, nq, kb, BK, sh.Lk, W), p.band, i0, nq, W);
       const auto [j0, nk, nkp, full] = tile;
+      const int64_t id = bg * p.nkb + kb;
+      if (local && held != id) {
+        p.pack_tile(p.pack_ctx, bg, kb, ktile.data(), vtile.data(), kbuf.data());
+        held = id;
+        held_bad = any_nonfinite(vtile.data(), std::min(BK, sh.Lk - kb * BK) * Dvp);
+      }
+      const A* kt = local ? ktile.data() : p.kt + id * D * BK;  // (the tile's key kb * BK first)
+      const A* vrows = local ? vtile.data() : p.vp + (bg * sh.Lk + kb * BK) * Dvp;
       A* s = sbuf.data();
-      cpu::gemm<V>(nq, nkp, D, qblk, p.qld, p.kt + (bg * p.nkb + kb) * D * BK + (j0 - kb * BK), BK,
-                   s, BK, false);
+      cpu::gemm<V>(nq, nkp, D, qblk, p.qld, kt + (j0 - kb * BK), BK, s, BK, false);
       for (int64_t r = 0; r < nq; ++r) {
         A* sr = s + r * BK;
         const int64_t i = i0 + r;
@@ -141,8 +163,8 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
         }
       }
       if constexpr (!kStats) {
-        gemm_acc<V>(flagged(p.v_bad, bg * p.nkb + kb), nq, Dvp, nk, s, BK,
-                    p.vp + (bg * sh.Lk + j0) * Dvp, Dvp, obuf.data(), Dvp);
+        gemm_acc<V>(local ? held_bad : flagged(p.v_bad, id), nq, Dvp, nk, s, BK,
+                    vrows + (j0 - kb * BK) * Dvp, Dvp, obuf.data(), Dvp);
       }
     }
 
@@ -472,6 +494,27 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 // ---------------------------------------------------------------------------------------------
 // Ops.
 
+// Forwards of at most this many query rows per kv head (Lq * G), with no mask and no dropout,
+// run as decoding (cpu::dense_decode_fwd). Measured against this file's forward (2 threads,
+// f32, Lk 16-4096): the decode worker takes 0.44x its time at 1 row, 0.8x at 8, 0.9-1.03x at 16,
+// 1.0-1.3x at 32 and 1.05-1.6x at 64.
+constexpr int64_t kDecodeRows = 16;
+
+// The source of FwdArgs::pack_tile: k and v as the op received them.
+template <class T, class A>
+struct KvTiles {
+  const T* k;
+  Strided4 ks;
+  const T* v;
+  Strided4 vs;
+  Shape sh;
+  int64_t tile, Dvp;
+  static void pack(const void* self, int64_t bg, int64_t kb, A* kt, A* vp, A* buf) {
+    const auto& t = *static_cast<const KvTiles*>(self);
+    pack_kv_tile<T, A>(t.k, t.ks, t.v, t.vs, t.sh, t.tile, bg, kb, kt, vp, t.Dvp, buf);
+  }
+};
+
 template <class T>
 void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const cpu::MaskView& mask, double scale, const Band& band,
@@ -482,21 +525,39 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
                  q.size(3), v.size(3)};
   const int64_t BQ = kFwdBlockQ, BK = kFwdBlockK;
   const int64_t nqb = ceil_div(sh.Lq, BQ), nkb = ceil_div(sh.Lk, BK), Dvp = round_up(sh.Dv, kPad<A>);
+  // A key tile serves the nqb * G tasks of its kv head. Where that is at most two, each task packs
+  // the tiles it uses into its own buffers, in cache: packing all of k and v first writes them
+  // out and reads them back once more, which few queries never earn back (a third of the
+  // forward's time at 64 queries against 1024 keys).
+  const bool local = nqb * sh.G <= 2;
   at::Tensor qp = at::empty({packed_rows_size(sh.B * sh.H * sh.Lq, sh.D)}, acc_opts);
-  at::Tensor kt = at::empty({sh.B * sh.Hkv * nkb * sh.D * BK}, acc_opts);
-  at::Tensor vp = at::empty({packed_rows_size(sh.B * sh.Hkv * sh.Lk, Dvp)}, acc_opts);
-  pack_qkv<T, A>(q.const_data_ptr<T>(), strides_of(q), k.const_data_ptr<T>(), strides_of(k),
-                 v.const_data_ptr<T>(), strides_of(v), sh, BK, static_cast<A>(scale),
-                 qp.data_ptr<A>(), kt.data_ptr<A>(), vp.data_ptr<A>(), Dvp);
+  at::Tensor kt, vp;
+  const KvTiles<T, A> tiles{k.const_data_ptr<T>(), strides_of(k), v.const_data_ptr<T>(),
+                            strides_of(v), sh, BK, Dvp};
+  if (local) {
+    pack_rows<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, sh.D,
+                    qp.data_ptr<A>(), static_cast<A>(scale));
+  } else {
+    kt = at::empty({sh.B * sh.Hkv * nkb * sh.D * BK}, acc_opts);
+    vp = at::empty({packed_rows_size(sh.B * sh.Hkv * sh.Lk, Dvp)}, acc_opts);
+    pack_qkv<T, A>(q.const_data_ptr<T>(), strides_of(q), k.const_data_ptr<T>(), strides_of(k),
+                   v.const_data_ptr<T>(), strides_of(v), sh, BK, static_cast<A>(scale),
+                   qp.data_ptr<A>(), kt.data_ptr<A>(), vp.data_ptr<A>(), Dvp);
+  }
   at::Tensor out_acc = acc_output<T, A>(out);
   const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, BQ, BK);
-  const std::vector<uint8_t> v_bad = nonfinite_tiles(vp.const_data_ptr<A>(), sh.B * sh.Hkv, sh.Lk, Dvp, BK);
+  const std::vector<uint8_t> v_bad =
+      local ? std::vector<uint8_t>{} : nonfinite_tiles(vp.const_data_ptr<A>(), sh.B * sh.Hkv, sh.Lk, Dvp, BK);
   const std::vector<uint8_t> dead = masked_key_tiles(mask, sh.B, sh.H, sh.Lk, BK);
-  const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), sh.D,
-                     kt.const_data_ptr<A>(), vp.const_data_ptr<A>(), Dvp, BQ, BK, nqb, nkb,
-                     order.data(), v_bad.empty() ? nullptr : v_bad.data(),
-                     dead.empty() ? nullptr : dead.data(), out_acc.data_ptr<A>(),
-                     lse.data_ptr<float>(), nullptr, 0};
+  FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), sh.D,
+               local ? nullptr : kt.const_data_ptr<A>(), local ? nullptr : vp.const_data_ptr<A>(),
+               Dvp, BQ, BK, nqb, nkb, order.data(), v_bad.empty() ? nullptr : v_bad.data(),
+               dead.empty() ? nullptr : dead.data(), out_acc.data_ptr<A>(), lse.data_ptr<float>(),
+               nullptr, 0};
+  if (local) {
+    p.pack_tile = &KvTiles<T, A>::pack;
+    p.pack_ctx = &tiles;
+  }
   run_workers(sh.B * sh.H * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, false>(p, next); });
   if (!out_acc.is_same(out)) out.copy_(out_acc);
 }
@@ -518,6 +579,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
   if (Lk == 0) {
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  const bool plain = !(mask.has_value() && mask->defined()) && dropout_p == 0.0;
+  if (plain && (offset == 0 || offset == Lk - Lq) && Lq * (H / k.size(1)) <= kDecodeRows) {
+    cpu::dense_decode_fwd(q, k, v, scale, /*bottom_right=*/offset != 0, left, right, out, lse);
     return {out, lse};
   }
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_fwd_cpu", [&] {

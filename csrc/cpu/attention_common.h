@@ -239,29 +239,34 @@ void pack_rows(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t L, in
 // Elements of a pack_rows buffer.
 inline int64_t packed_rows_size(int64_t rows, int64_t dpad) { return (rows + cpu::kGemmRowPad) * dpad; }
 
+// Whether x[0, n) holds a NaN or an infinity; n a multiple of 32 bytes of A (a pack_rows
+// buffer's rows are).
+template <class A>
+bool any_nonfinite(const A* x, int64_t n) {
+  using V = Vec<A, 16 / sizeof(A)>;
+  V a0(A(0)), a1(A(0));  // x - x is 0, or NaN for NaN and +-inf
+  for (int64_t e = 0; e < n; e += 2 * V::size) {
+    const V x0 = V::load(x + e), x1 = V::load(x + e + V::size);
+    a0 = a0 + (x0 - x0);
+    a1 = a1 + (x1 - x1);
+  }
+  const A r = (a0 + a1).sum();
+  return r != r;
+}
+
 // flags[bh * ntiles + t] = 1 iff rows [t * tile, (t + 1) * tile) of head bh of a pack_rows buffer
 // (heads * L rows of ld values, ld a multiple of kPad<A>) hold a NaN or an infinity; an empty
 // vector when every value is finite. The tiles flagged take the careful GEMM (gemm_acc).
 template <class A>
 std::vector<uint8_t> nonfinite_tiles(const A* rows, int64_t heads, int64_t L, int64_t ld,
                                      int64_t tile) {
-  using V = Vec<A, 16 / sizeof(A)>;
   const int64_t ntiles = ceil_div(L, tile);
   std::vector<uint8_t> flags(heads * ntiles, 0);
   std::atomic<bool> any{false};
   at::parallel_for(0, heads * ntiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t ht = t0; ht < t1; ++ht) {
       const int64_t h = ht / ntiles, t = ht % ntiles;
-      const A* x = rows + (h * L + t * tile) * ld;
-      const int64_t n = std::min(tile, L - t * tile) * ld;
-      V a0(A(0)), a1(A(0));  // x - x is 0, or NaN for NaN and +-inf
-      for (int64_t e = 0; e < n; e += 2 * V::size) {
-        const V x0 = V::load(x + e), x1 = V::load(x + e + V::size);
-        a0 = a0 + (x0 - x0);
-        a1 = a1 + (x1 - x1);
-      }
-      const A r = (a0 + a1).sum();
-      if (r != r) {
+      if (any_nonfinite(rows + (h * L + t * tile) * ld, std::min(tile, L - t * tile) * ld)) {
         flags[ht] = 1;
         any.store(true, std::memory_order_relaxed);
       }
@@ -357,6 +362,27 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
   const int64_t qrows = sh.B * sh.H * sh.Lq, vrows = sh.B * sh.Hkv * sh.Lk;
   std::fill(qp + qrows * sh.D, qp + (qrows + cpu::kGemmRowPad) * sh.D, A(0));
   std::fill(vp + vrows * Dvp, vp + (vrows + cpu::kGemmRowPad) * Dvp, A(0));
+}
+
+// One forward key tile, laid out as pack_qkv lays out that tile, for a task that packs the
+// tiles it uses (FwdArgs::pack_tile): keys [kb * tile, kb * tile + n), n = min(tile, Lk - kb *
+// tile), of kv head bg; k transposed into kt (D x tile, columns n.. zero), v as n rows of Dvp
+// into vp; buf holds kColumnGroup * D values.
+template <class T, class A>
+void pack_kv_tile(const T* k, Strided4 ks, const T* v, Strided4 vs, const Shape& sh, int64_t tile,
+                  int64_t bg, int64_t kb, A* kt, A* vp, int64_t Dvp, A* buf) {
+  const int64_t b = bg / sh.Hkv, g = bg % sh.Hkv, j0 = kb * tile, n = std::min(tile, sh.Lk - j0);
+  const T* kh = k + b * ks.s0 + g * ks.s1 + j0 * ks.s2;
+  const T* vh = v + b * vs.s0 + g * vs.s1 + j0 * vs.s2;
+  for (int64_t c0 = 0; c0 < n; c0 += kColumnGroup) {
+    const int64_t m = std::min(kColumnGroup, n - c0);
+    for (int64_t c = c0; c < c0 + m; ++c) {
+      pack_row(kh + c * ks.s2, buf + (c - c0) * sh.D, sh.D, sh.D, A(1));
+      pack_row(vh + c * vs.s2, vp + c * Dvp, sh.Dv, Dvp, A(1));
+    }
+    put_columns(buf, kt, sh.D, tile, c0, m);
+  }
+  zero_columns(kt, sh.D, tile, n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -617,4 +643,16 @@ at::Tensor acc_output(const at::Tensor& t) {
 
 }  // namespace cpu_attention
 }  // namespace
+
+namespace cpu {
+// Attention shaped like decoding (few query rows against many keys; no mask, no dropout) through
+// the paged forward's split-KV worker (csrc/cpu/varlen.cpp), which reads each key and value row
+// in place: the dense forward packs all of k and v first, O(Lk * D) work that a few rows never
+// earn back (at Lq = 1 it was 2-5x torch's time). q (B, H, Lq, D), k and v (B, Hkv, Lk, D / Dv)
+// with unit last strides; the band of rows i: i + offset - left <= j <= i + offset + right with
+// offset Lk - Lq (bottom_right) or 0; writes out (B, H, Lq, Dv) and lse (B, H, Lq).
+void dense_decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                      bool bottom_right, int64_t left, int64_t right, at::Tensor& out,
+                      at::Tensor& lse);
+}  // namespace cpu
 }  // namespace fastattn

@@ -48,6 +48,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "fastattn/common.h"
@@ -538,6 +539,24 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cpu(
 }
 
 }  // namespace
+
+namespace cpu {
+
+// Declared in csrc/cpu/attention_common.h: k and v (B, Hkv, Lk, D) viewed as a cache of B blocks
+// of Lk slots, (B, Lk, Hkv, D), with block_table row b = [b] and every length Lk.
+void dense_decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                      bool bottom_right, int64_t left, int64_t right, at::Tensor& out,
+                      at::Tensor& lse) {
+  const int64_t B = q.size(0);
+  std::vector<int64_t> table(B), lens(B, k.size(2));
+  std::iota(table.begin(), table.end(), int64_t{0});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_fwd_decode", [&] {
+    paged_fwd_impl<scalar_t>(q, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}), table, 1, lens,
+                             out, lse, scale, bottom_right, left, right);
+  });
+}
+
+}  // namespace cpu
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("varlen_attention_fwd", &varlen_attention_fwd_cpu);
