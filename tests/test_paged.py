@@ -40,6 +40,7 @@ CASES = [
     ([25], 4, 2, 2, 16, 16, 16, "bottom_right", (6, None)),        # sliding window
     ([2, 12], 5, 1, 1, 16, 16, 4, "top_left", None),
     ([3, 12], 5, 2, 1, 16, 16, 4, "bottom_right", None),           # fewer keys than queries: dead rows
+    ([700], 1, 2, 1, 32, 32, 24, "bottom_right", None),            # key splits starting mid-block
 ]
 
 

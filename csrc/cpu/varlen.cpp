@@ -352,10 +352,17 @@ FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& n
     std::fill(l.begin(), l.end(), A(0));
     for (int64_t j0 = j_begin; j0 < j_end; j0 += TK) {
       const int64_t n = std::min(TK, j_end - j0);
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const int64_t j = j0 + jj, blk = p.table[b * p.max_blocks + j / p.block_size];
-        const T* kj = p.K + blk * p.sk_blk + (j % p.block_size) * p.sk_slot + g * p.sk_h;
-        const T* vj = p.V + blk * p.sv_blk + (j % p.block_size) * p.sv_slot + g * p.sv_h;
+      // (block and slot stepped along, not divided out per key: two 64-bit divisions a key were
+      // most of a float32 decode step that the cache's bandwidth should bound)
+      int64_t entry = j0 / p.block_size, slot = j0 % p.block_size;
+      for (int64_t jj = 0; jj < n; ++jj, ++slot) {
+        if (slot == p.block_size) {
+          slot = 0;
+          ++entry;
+        }
+        const int64_t blk = p.table[b * p.max_blocks + entry];
+        const T* kj = p.K + blk * p.sk_blk + slot * p.sk_slot + g * p.sk_h;
+        const T* vj = p.V + blk * p.sv_blk + slot * p.sv_slot + g * p.sv_h;
         if constexpr (kAcc) {
           if (k_in_place) krow[jj] = kj;
           if (v_in_place) vrow[jj] = vj;
