@@ -18,7 +18,6 @@ import ctypes
 import dataclasses
 import datetime
 import functools
-import itertools
 import json
 import math
 import os
@@ -189,9 +188,8 @@ def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> l
             len(ts) >= 3 and spent >= 3 * budget_s)
 
     active = list(range(len(calls)))
-    for round_ in itertools.count():
-        if not active:
-            break
+    round_ = 0
+    while active:
         shuffle(active)
         for i in list(active):
             start = time.perf_counter()
@@ -204,6 +202,7 @@ def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> l
             times[i][round_] = (time.perf_counter() - start) * 1e3
             if done(times[i]):
                 active.remove(i)
+        round_ += 1
     return [r if r is not None else Samples(ts) for r, ts in zip(results, times)]
 
 
