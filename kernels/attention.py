@@ -391,8 +391,11 @@ def _prune(configs, named_args, kernel, **kwargs):
     fewest live values); only the first config when autotuning is off (kernels.tuning)."""
     args = {**named_args, **kwargs}
     elem_bytes = args["Q"].element_size()
-    if elem_bytes == 4 and not _INTERPRET:
-        return tuning.limit(_FP32_CONFIGS[kernel])
+    if elem_bytes == 4 and not _INTERPRET:  # with only the constexprs the caller's kernel takes
+        keys = configs[0].kwargs.keys()     # (the JVP's forward has no WARP_SPECIALIZE)
+        return tuning.limit([triton.Config({k: v for k, v in c.kwargs.items() if k in keys},
+                                           num_warps=c.num_warps, num_stages=c.num_stages)
+                             for c in _FP32_CONFIGS[kernel]])
     rows = max(16, args["lq_bucket"])
     wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
     ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]

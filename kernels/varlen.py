@@ -85,13 +85,20 @@ def _tiles(D, Dv, backward=False):
     return (64, 64, 4) if wide <= 64 else (32, 64, 4) if wide <= 128 else (32, 32, 8)
 
 
-def _paged_registers(D, Dv):
-    """The paged forward's register limit: at head dims <= 64 ptxas holds it to 96 registers
-    (its 5-blocks tier; shared memory would allow 11), where the fp16 kernel spilled 4/4 B on
-    sm_90; 128 keeps 4 blocks of 4 warps per SM and compiles clean (bench/aot/README.md)."""
-    if _INTERPRET or max(D, Dv) > 64:
-        return {}
-    return {"maxnreg": 128}
+def _paged_shape(D, Dv, dtype):
+    """(BLOCK_M, BLOCK_N, num_warps, launch options) of the paged forward. 16-bit: the forward's
+    tiles; at head dims <= 64 a limit of 128 registers, where ptxas held it to 96 (its 5-blocks
+    tier; shared memory would allow 11) and the fp16 kernel spilled 4/4 B on sm_90; 128 keeps 4
+    blocks of 4 warps per SM and compiles clean (bench/aot/README.md). float32 (IEEE dots, FMA
+    loops): 32 x 16 with 8 warps up to D 128, 16 x 16 above, no limit; the 16-bit shapes spilled
+    120-2504 B there, 32 x 16 w8 holds 100-172 registers, 16 x 16 w8 194 at D 256 (fastattn.aot,
+    Triton 3.6, 2026-11-26)."""
+    wide = max(D, Dv)
+    if _INTERPRET:
+        return (*_tiles(D, Dv), {})
+    if dtype == torch.float32:
+        return (32, 16, 8, {}) if wide <= 128 else (16, 16, 8, {})
+    return (*_tiles(D, Dv), {"maxnreg": 128} if wide <= 64 else {})
 
 
 @triton.jit
@@ -400,17 +407,17 @@ def _paged_fwd_kernel(
         qk_scale, band_lo, band_hi, HEAD_DIM, HEAD_DIM_V, BLOCK_DV, LO_BOUNDED, HI_BOUNDED,
         DOT_PRECISION, BLOCK_M, BLOCK_N, False)
     if _any_nan(out, row_ok):  # the NaN rule: kernels.attention's careful path, 16 x 16
-        for r in range(0, BLOCK_M, 16):
-            q, offs_i, h, row_ok = _paged_queries(Q, b, hkv, GROUP, Lq,
-                                                  r0 + r + tl.arange(0, 16), offs_d, stride_q_b,
-                                                  stride_q_h, stride_q_m, HEAD_DIM)
-            out, lse = _paged_tiles(
-                q, KC, VC, Table, b_table, hkv, offs_i, offs_d, offs_dv, n_lo, n_end, Lq,
+        for r in range(0, BLOCK_M, 16):  # (names of their own: loop-carried values keep a shape)
+            q16, offs_i16, h16, ok16 = _paged_queries(Q, b, hkv, GROUP, Lq,
+                                                      r0 + r + tl.arange(0, 16), offs_d,
+                                                      stride_q_b, stride_q_h, stride_q_m, HEAD_DIM)
+            out16, lse16 = _paged_tiles(
+                q16, KC, VC, Table, b_table, hkv, offs_i16, offs_d, offs_dv, n_lo, n_end, Lq,
                 stride_kc_blk, stride_kc_slot, stride_kc_h, stride_vc_blk, stride_vc_slot,
                 stride_vc_h, BLOCK_SIZE, qk_scale, band_lo, band_hi, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_DV, LO_BOUNDED, HI_BOUNDED, DOT_PRECISION, 16, 16, True)
-            _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out,
-                         lse, row_ok, HEAD_DIM_V)
+            _paged_store(OPart, LsePart, b, H, h16, Lq, offs_i16, num_splits, split, offs_dv,
+                         out16, lse16, ok16, HEAD_DIM_V)
     else:
         _paged_store(OPart, LsePart, b, H, h, Lq, offs_i, num_splits, split, offs_dv, out, lse,
                      row_ok, HEAD_DIM_V)
@@ -533,7 +540,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         return out, lse
     max_len = block_table.shape[1] * block_size
     rows = (H // Hkv) * Lq
-    tile_m, block_n, warps = _tiles(D, Dv)
+    tile_m, block_n, warps, options = _paged_shape(D, Dv, q.dtype)
     block_m = max(16, min(tuning.next_power_of_2(rows), tile_m))
     row_tiles = tuning.cdiv(rows, block_m)
     key_tiles = max(1, tuning.cdiv(max_len, block_n))
@@ -554,7 +561,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b,
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=_STAGES, **_paged_registers(D, Dv),
+        num_warps=warps, num_stages=_STAGES, **options,
     )
     # Merge the splits: lse = logsumexp_s lse_s, O = sum_s exp(lse_s - lse) O_s.
     lse.copy_(torch.logsumexp(lse_part, dim=-1))
