@@ -274,12 +274,13 @@ def test_many_short_sequences(backend, device):
         lens = [3, 1, 0, 7, 2, 5, 1, 4, 6]
         q, k, v, cu_q, cu_k = _packed(lens, lens[::-1], 4, 2, 16, 16, device, dtype=torch.float64)
         out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, causal="bottom_right", backend=backend)
-        ref_out, _ = reference.varlen_attention(to_numpy(q), to_numpy(k), to_numpy(v), cu_q, cu_k,
+        cu = (cu_q.cpu(), cu_k.cpu())
+        ref_out, _ = reference.varlen_attention(to_numpy(q), to_numpy(k), to_numpy(v), *cu,
                                                 causal="bottom_right")
         assert_close_to_reference(out, ref_out, name="out")
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         ref = reference.varlen_attention_backward(to_numpy(torch.ones_like(out)), to_numpy(q),
-                                                  to_numpy(k), to_numpy(v), cu_q, cu_k, causal="bottom_right")
+                                                  to_numpy(k), to_numpy(v), *cu, causal="bottom_right")
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
             assert_close_to_reference(got, want, name=name)
     finally:
