@@ -6,12 +6,24 @@ package then runs its triton and naive backends only); FASTATTN_NO_CUDA=1 forces
 """
 
 import glob
+import importlib.util
 import os
 
 from setuptools import find_packages, setup
 
 import torch
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+
+def _flags():
+    """fastattn.extending, the one place for the flags (DEFAULT_CFLAGS, DEFAULT_CUDA_CFLAGS,
+    DEFAULT_LDFLAGS) that users' JIT builds get too; loaded by path, as the package is not
+    built yet (the module needs the standard library alone)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastattn", "extending.py")
+    spec = importlib.util.spec_from_file_location("_fastattn_extending", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cuda_wanted() -> bool:
@@ -27,7 +39,8 @@ def extensions():
         return []
     sources = ["csrc/fastattn.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     include_dirs = [os.path.abspath("csrc/include")]
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    flags = _flags()
+    cxx, ld = list(flags.DEFAULT_CFLAGS), list(flags.DEFAULT_LDFLAGS)
     if not _cuda_wanted():
         return [
             CppExtension(
@@ -35,19 +48,19 @@ def extensions():
                 sources,
                 include_dirs=include_dirs,
                 extra_compile_args={"cxx": cxx},
-                extra_link_args=["-fopenmp"],
+                extra_link_args=ld,
             )
         ]
     # sm_80 (A100) and sm_90a (H100/H200, wgmma) unless the user chose architectures.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    nvcc = list(flags.DEFAULT_CUDA_CFLAGS)
     return [
         CUDAExtension(
             "fastattn._C",
             sources + sorted(glob.glob("csrc/cuda/*.cu")),
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=ld,
         )
     ]
 

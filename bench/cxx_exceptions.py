@@ -154,17 +154,20 @@ TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("probe", &probe); }
 """
 
 
-def build_variant(root: Path, name: str, cxx: str, flags: list[str]) -> list[str]:
-    """Build the tiny op with ``cxx`` and ``flags``; probe a throw at once and after its
-    parallel loop, each in a fresh process. Lines of the report."""
+def build_variant(root: Path, name: str, cxx: str, flags: list[str], ldflags: list[str]) -> list[str]:
+    """Build the tiny op with ``cxx``, ``flags`` and ``ldflags``; probe a throw at once and
+    after its parallel loop, each in a fresh process: ok when it raises with its whole message
+    (a second C++ runtime in the library truncated it on a CPU machine and crashed the process
+    on the GPU image). Lines of the report."""
     src = root / f"{name}.cpp"
     src.write_text(_USER_OP.replace("NAMESPACE", name))
     build = root / name
     build.mkdir()
     load = (f"import torch, torch.utils.cpp_extension as ext; ext.load({name!r}, [{str(src)!r}], "
-            f"extra_cflags={flags!r}, build_directory={str(build)!r}, is_python_module=False)")
+            f"extra_cflags={flags!r}, extra_ldflags={ldflags!r}, build_directory={str(build)!r}, "
+            "is_python_module=False)")
     ok, what = run_probe(load + "\nprint('raised nothing: built')", {"CXX": cxx}, timeout=240)
-    label = f"{Path(cxx).name} ({os.path.realpath(cxx)}) {' '.join(flags)}"
+    label = f"{Path(cxx).name} ({os.path.realpath(cxx)}) {' '.join(flags + ldflags)}"
     if "built" not in what:
         return [f"  build {label}: FAILED {what}"]
     lines = []
@@ -172,6 +175,7 @@ def build_variant(root: Path, name: str, cxx: str, flags: list[str]) -> list[str
                                          f"torch.ops.{name}.probe(torch.randn(1 << 20), False)")):
         ok, what = run_probe(_raise_code(f"{load}\n{setup}",
                                          f"torch.ops.{name}.probe(torch.zeros(3), True)"), {"CXX": cxx})
+        ok = ok and "x of shape [3]" in what
         lines.append(f"  {'ok   ' if ok else 'FAIL '} user op by {label}, {when}: {what}")
     return lines
 
@@ -198,11 +202,12 @@ def main(argv=None) -> int:
     if not args.no_builds:
         print("\nA tiny op (TORCH_CHECK after an at::parallel_for) built with each compiler:")
         with tempfile.TemporaryDirectory(prefix="cxxprobe-") as tmp:
-            # fastattn's own flags (what the user op of test_extending is built with), and the
-            # same without OpenMP
-            from fastattn.extending import DEFAULT_CFLAGS
-            flag_sets = (list(DEFAULT_CFLAGS), [f for f in DEFAULT_CFLAGS if f != "-fopenmp"])
-            variants = [(f"cxxprobe{i}{j}", cxx, flags) for i, cxx in enumerate(compilers())
+            # fastattn's own flags (what fastattn._C and the user op of test_extending are
+            # built with), and the compiler bare: no OpenMP, no explicit C++ runtime
+            from fastattn.extending import DEFAULT_CFLAGS, DEFAULT_LDFLAGS
+            flag_sets = ((list(DEFAULT_CFLAGS), list(DEFAULT_LDFLAGS)),
+                         ([f for f in DEFAULT_CFLAGS if f != "-fopenmp"], []))
+            variants = [(f"cxxprobe{i}{j}", cxx, *flags) for i, cxx in enumerate(compilers())
                         for j, flags in enumerate(flag_sets)]
             with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
                 futures = [pool.submit(build_variant, Path(tmp), *v) for v in variants]

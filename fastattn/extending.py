@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_CFLAGS", "DEFAULT_CUDA_CFLAGS", "extension_include_dir", "include_paths", "load"]
+__all__ = ["DEFAULT_CFLAGS", "DEFAULT_CUDA_CFLAGS", "DEFAULT_LDFLAGS", "extension_include_dir",
+           "include_paths", "load"]
 
 _MARKER = os.path.join("fastattn", "common.h")
 
@@ -37,6 +38,15 @@ _MARKER = os.path.join("fastattn", "common.h")
 DEFAULT_CFLAGS = ("-O3", "-std=c++17") + (("-fopenmp",) if sys.platform.startswith("linux") else ())
 #: nvcc flags fastattn's own extension is built with (setup.py).
 DEFAULT_CUDA_CFLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr")
+#: Linker flags fastattn's own extension is built with (setup.py). On Linux, besides OpenMP,
+#: the shared C++ runtime by its file name, the one torch uses, even where the compiler would
+#: link a copy of its own in. The GPU image of 2026-11-26 has such a compiler as CXX: a GCC
+#: relocated under /opt/gcc whose library path holds libstdc++.a and no libstdc++.so, so its
+#: ``-lstdc++`` links the runtime statically (``-lstdc++`` again, or ``-Bdynamic`` around it,
+#: does the same). With a copy inside the library, each C++ exception thrown from it (every
+#: TORCH_CHECK: a user's bad input) crashed the process (signal 11); ``-l:libstdc++.so.6``
+#: resolves the runtime's symbols first, so the static copy is never linked in.
+DEFAULT_LDFLAGS = ("-fopenmp", "-l:libstdc++.so.6") if sys.platform.startswith("linux") else ()
 
 
 def _candidates() -> list[Path]:
@@ -88,7 +98,7 @@ def load(
     """JIT-compile and load a C++/CUDA extension against fastattn's headers.
 
     :func:`torch.utils.cpp_extension.load` with fastattn's include path and compiler flags
-    (:data:`DEFAULT_CFLAGS`, :data:`DEFAULT_CUDA_CFLAGS`, OpenMP on Linux) unless given. With
+    (:data:`DEFAULT_CFLAGS`, :data:`DEFAULT_CUDA_CFLAGS`, :data:`DEFAULT_LDFLAGS`) unless given. With
     ``is_python_module=False`` (the default here) the library is loaded as a plain shared
     library, so an extension that only registers ops with ``TORCH_LIBRARY`` needs no Python
     module init; its ops appear under ``torch.ops.<namespace>``. Other keyword arguments
@@ -96,14 +106,13 @@ def load(
     """
     from torch.utils.cpp_extension import load as torch_load
 
-    linux = sys.platform.startswith("linux")
     return torch_load(
         name,
         [str(s) for s in sources],
         extra_include_paths=[*include_paths(), *extra_include_paths],
         extra_cflags=list(DEFAULT_CFLAGS if extra_cflags is None else extra_cflags),
         extra_cuda_cflags=list(DEFAULT_CUDA_CFLAGS if extra_cuda_cflags is None else extra_cuda_cflags),
-        extra_ldflags=list((["-fopenmp"] if linux else []) if extra_ldflags is None else extra_ldflags),
+        extra_ldflags=list(DEFAULT_LDFLAGS if extra_ldflags is None else extra_ldflags),
         is_python_module=is_python_module,
         **kwargs,
     )

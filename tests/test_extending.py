@@ -3,7 +3,11 @@ the backend registry, user backends of fastattn's own ops, and the testing helpe
 
 import importlib.util
 import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -211,6 +215,66 @@ def test_jit_user_op_through_the_registry(myext, registry):
     torch.autograd.gradcheck(lambda x, s: scale_rows(x, s, backend="mine"),
                              (torch.randn(3, 5, dtype=torch.float64, requires_grad=True),
                               torch.randn(3, dtype=torch.float64, requires_grad=True)))
+
+
+_RUNTIME_SYMBOL = re.compile(r" (_Unwind_|__cxa_|__gxx_personality)")
+
+
+def _own_cxx_runtime(library) -> int:
+    """How many C++ runtime / unwinder symbols a shared library defines and exports: 0 when it
+    uses the shared libstdc++ that torch uses."""
+    out = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True,
+                         text=True, check=True).stdout
+    return sum(bool(_RUNTIME_SYMBOL.search(line)) for line in out.splitlines())
+
+
+needs_nm = pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None,
+                              reason="ELF symbol tables: Linux with binutils' nm")
+
+
+@needs_nm
+def test_link_flags_keep_the_shared_cxx_runtime(tmp_path):
+    """A compiler whose library path finds libstdc++.a before libstdc++.so links a copy of the
+    C++ runtime into each shared library: CXX on the GPU image of 2026-11-26 (a GCC relocated
+    under /opt/gcc) did, and every C++ error of fastattn._C crashed the process there (signal
+    11). Modelled here by putting the runtime's archive first on the library path; with
+    DEFAULT_LDFLAGS, which setup.py and extending.load link with, the runtime stays the shared
+    one."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    archive = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True).stdout.strip()
+    if not os.path.isabs(archive) or not os.path.isfile(archive):
+        pytest.skip("this compiler has no libstdc++.a")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libstdc++.a").symlink_to(archive)
+    wrapper = tmp_path / "g++"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(cxx)} -L{shlex.quote(str(tmp_path / "lib"))} "$@"\n')
+    wrapper.chmod(0o755)
+    src = tmp_path / "thrower.cpp"
+    src.write_text("#include <stdexcept>\n"
+                   "extern \"C\" void thrower(int x) { if (x) throw std::runtime_error(\"x\"); }\n")
+
+    def build(name, flags):
+        lib = tmp_path / f"{name}.so"
+        subprocess.run([str(wrapper), "-shared", "-fPIC", str(src), "-o", str(lib), *flags],
+                       capture_output=True, text=True, check=True)
+        return _own_cxx_runtime(lib)
+
+    assert build("bare", []) > 0, "the archive first on the path should be linked in"
+    assert build("lstdcxx", ["-lstdc++"]) > 0  # (why the flag names the shared file)
+    assert build("fastattn", list(extending.DEFAULT_LDFLAGS)) == 0
+
+
+@needs_nm
+def test_the_extension_uses_the_shared_cxx_runtime():
+    """fastattn._C as built here defines none of the C++ runtime's symbols (see above)."""
+    from fastattn import _extension
+    if _extension.error():
+        pytest.skip(_extension.error())
+    import fastattn._C as C
+    assert _own_cxx_runtime(C.__file__) == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,9 +147,9 @@ def test_cxx_exception_probe_reports_a_crash_and_no_raise():
 @pytest.mark.skipif(importlib.util.find_spec("ninja") is None or not cxx_exceptions.compilers(),
                     reason="needs a C++ compiler and ninja")
 def test_cxx_exception_probe_of_a_built_op(tmp_path):
-    from fastattn.extending import DEFAULT_CFLAGS
+    from fastattn.extending import DEFAULT_CFLAGS, DEFAULT_LDFLAGS
 
     lines = cxx_exceptions.build_variant(tmp_path, "cxxprobetest", cxx_exceptions.compilers()[0],
-                                         list(DEFAULT_CFLAGS))
+                                         list(DEFAULT_CFLAGS), list(DEFAULT_LDFLAGS))
     assert len(lines) == 2 and all(line.strip().startswith("ok") for line in lines), lines
-    assert "after its parallel loop: raised RuntimeError: probe asked to fail" in lines[1]
+    assert "after its parallel loop: raised RuntimeError: probe asked to fail, x of shape [3]" in lines[1]
