@@ -69,36 +69,38 @@ from .attention import (
 from .attention_launch import _bwd_delta, _dot_precision, _dropout_args, _head_block
 
 # One fixed tile shape per kernel (no autotuning yet): 16 x 16 under the interpreter; on a GPU
-# the shapes that compile for sm_90 without register spills (checked with fastattn.aot's
-# compile_variant, bf16 / fp16 at D 64, 128, 256): forward 64 x 64 (32 x 32 above D 128), 4 warps;
-# backward 64 x 64 at D <= 64, 32 x 64 at D <= 128, 32 x 32 with 8 warps above.
-_STAGES = 1 if _INTERPRET else 2
+# the shapes that compile for sm_90 without register spills (fastattn.aot, Triton 3.6).
+# 16-bit (bf16 / fp16 at D 64, 128, 256): forward 64 x 64 (32 x 32 above D 128), 4 warps;
+# backward 64 x 64 at D <= 64, 32 x 64 at D <= 128, 32 x 32 with 8 warps above; the paged
+# forward as the forward, with a limit of 128 registers at D <= 64, where ptxas held it to 96 (its
+# 5-blocks tier; shared memory would allow 11) and the fp16 kernel spilled 4/4 B; 128 keeps 4
+# blocks of 4 warps per SM (bench/aot/README.md).
+# float32 (IEEE dots: FMA loops, each thread holding whole rows of both operands) spilled with
+# those shapes (forward 5-100 KB, backward 6-100 KB, paged 0.1-2.5 KB of local memory on
+# 2026-11-26): its own, as kernels.attention's _FP32_CONFIGS, checked at D 64, 128 and 256 with
+# 0 spills: forward 32 x 16 w8 (128-194 registers), paged the same up to D 128 and 16 x 16 w8
+# above (194); dK/dV 32 x 16 w8 one stage (103-176), 16 x 16 w8 above D 128 (235); dQ 16 x 16 w4
+# (80-223).
+_FP32_TILES = {  # kernel: (shape up to D 128, shape above), shape (BLOCK_M, BLOCK_N, warps, stages)
+    "fwd": ((32, 16, 8, 2), (32, 16, 8, 2)),
+    "paged": ((32, 16, 8, 2), (16, 16, 8, 2)),
+    "dkdv": ((32, 16, 8, 1), (16, 16, 8, 1)),
+    "dq": ((16, 16, 4, 2), (16, 16, 4, 2)),
+}
 
 
-def _tiles(D, Dv, backward=False):
-    """(BLOCK_M, BLOCK_N, num_warps) for these head dims."""
+def _tiles(D, Dv, dtype, kernel="fwd"):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, launch options) of ``kernel`` ("fwd", "paged",
+    "dkdv", "dq") for these head dims and input dtype (the table above)."""
     if _INTERPRET:
-        return 16, 16, 4
+        return 16, 16, 4, 1, {}
     wide = max(D, Dv)
-    if not backward:
-        return (64, 64, 4) if wide <= 128 else (32, 32, 4)
-    return (64, 64, 4) if wide <= 64 else (32, 64, 4) if wide <= 128 else (32, 32, 8)
-
-
-def _paged_shape(D, Dv, dtype):
-    """(BLOCK_M, BLOCK_N, num_warps, launch options) of the paged forward. 16-bit: the forward's
-    tiles; at head dims <= 64 a limit of 128 registers, where ptxas held it to 96 (its 5-blocks
-    tier; shared memory would allow 11) and the fp16 kernel spilled 4/4 B on sm_90; 128 keeps 4
-    blocks of 4 warps per SM and compiles clean (bench/aot/README.md). float32 (IEEE dots, FMA
-    loops): 32 x 16 with 8 warps up to D 128, 16 x 16 above, no limit; the 16-bit shapes spilled
-    120-2504 B there, 32 x 16 w8 holds 100-172 registers, 16 x 16 w8 194 at D 256 (fastattn.aot,
-    Triton 3.6, 2026-11-26)."""
-    wide = max(D, Dv)
-    if _INTERPRET:
-        return (*_tiles(D, Dv), {})
     if dtype == torch.float32:
-        return (32, 16, 8, {}) if wide <= 128 else (16, 16, 8, {})
-    return (*_tiles(D, Dv), {"maxnreg": 128} if wide <= 64 else {})
+        return (*_FP32_TILES[kernel][wide > 128], {})
+    if kernel in ("fwd", "paged"):
+        shape = (64, 64, 4) if wide <= 128 else (32, 32, 4)
+        return (*shape, 2, {"maxnreg": 128} if kernel == "paged" and wide <= 64 else {})
+    return (*((64, 64, 4) if wide <= 64 else (32, 64, 4) if wide <= 128 else (32, 32, 8)), 2, {})
 
 
 @triton.jit
@@ -456,7 +458,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
         return out, lse
     seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
-    block_m, block_n, warps = _tiles(D, Dv)
+    block_m, block_n, warps, stages, _ = _tiles(D, Dv, q.dtype)
     grid = (tuning.cdiv(max_q, block_m), batch, H)
     torch.library.wrap_triton(_varlen_fwd_kernel)[grid](
         q, k, v, out, lse, cu_q, cu_k,
@@ -466,7 +468,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=_STAGES,
+        num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -487,13 +489,15 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
         return dq, dk, dv
     seed32, threshold, rcp_keep, has_dropout = _dropout_args(dropout_p, seed)
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
-    block_m, block_n, warps = _tiles(D, Dv, backward=True)
     consts = dict(
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b, HAS_DROPOUT=has_dropout,
-        DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=_STAGES,
+        DOT_PRECISION=_dot_precision(q.dtype),
     )
+
+    def shape(kernel):
+        block_m, block_n, warps, stages, _ = _tiles(D, Dv, q.dtype, kernel)
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     scalars = (total_q, H, H // Hkv, scale, scale * _LOG2E.value, left, right, seed32, threshold,
                rcp_keep)
     delta = torch.empty((H, total_q), dtype=torch.float32, device=q.device)
@@ -502,18 +506,22 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
         _bwd_delta(out, dout, delta, (0, out.stride(1), out.stride(0), 0, dout.stride(1),
                                       dout.stride(0)), H, H, total_q, Dv)
     if max_k:
-        torch.library.wrap_triton(_varlen_dkdv_kernel)[(tuning.cdiv(max_k, block_n), batch, Hkv)](
+        dkdv = shape("dkdv")
+        grid = (tuning.cdiv(max_k, dkdv["BLOCK_N"]), batch, Hkv)
+        torch.library.wrap_triton(_varlen_dkdv_kernel)[grid](
             q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            *scalars, **consts,
+            *scalars, **consts, **dkdv,
         )
     if max_q:
-        torch.library.wrap_triton(_varlen_dq_kernel)[(tuning.cdiv(max_q, block_m), batch, H)](
+        dq_shape = shape("dq")
+        grid = (tuning.cdiv(max_q, dq_shape["BLOCK_M"]), batch, H)
+        torch.library.wrap_triton(_varlen_dq_kernel)[grid](
             q, k, v, dout, lse, delta, dq, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-            *scalars, **consts,
+            *scalars, **consts, **dq_shape,
         )
     return dq, dk, dv
 
@@ -540,7 +548,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         return out, lse
     max_len = block_table.shape[1] * block_size
     rows = (H // Hkv) * Lq
-    tile_m, block_n, warps, options = _paged_shape(D, Dv, q.dtype)
+    tile_m, block_n, warps, stages, options = _tiles(D, Dv, q.dtype, "paged")
     block_m = max(16, min(tuning.next_power_of_2(rows), tile_m))
     row_tiles = tuning.cdiv(rows, block_m)
     key_tiles = max(1, tuning.cdiv(max_len, block_n))
@@ -561,7 +569,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         BOTTOM_RIGHT=bool(bottom_right), HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=_head_block(D),
         BLOCK_DV=_head_block(Dv), LO_BOUNDED=lo_b, HI_BOUNDED=hi_b,
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=_STAGES, **options,
+        num_warps=warps, num_stages=stages, **options,
     )
     # Merge the splits: lse = logsumexp_s lse_s, O = sum_s exp(lse_s - lse) O_s.
     lse.copy_(torch.logsumexp(lse_part, dim=-1))

@@ -259,9 +259,13 @@ def _varlen_cases():
             tag = f"{_SHORT[dtype]} D{d}"
             cases.append(Case("varlen", f"{tag} packed 8x2k causal", packed(d, dtype), quick))
             cases.append(Case("decode", f"{tag} paged B8 L4k", paged(d, dtype), quick))
-    # 5 queries x 4 heads a kv head: 32-row query tiles, over which the NaN rule's 16-row loop
-    # once reassigned the tile's own names with another shape (a compile error, 2026-11-26)
+    # float32 has tiles of its own (kernels.varlen._FP32_TILES; the 16-bit ones spilled KBs).
+    # The paged case with 5 queries x 4 heads a kv head: 32-row query tiles, over which the NaN
+    # rule's 16-row loop once reassigned the tile's own names with another shape (a compile
+    # error, 2026-11-26).
     for d in (64, 128, 256):
+        cases.append(Case("varlen", f"fp32 D{d} packed 8x2k causal", packed(d, torch.float32),
+                          d == 64))
         cases.append(Case("decode", f"fp32 D{d} paged B8 L4k 5 queries",
                           paged(d, torch.float32, Lq=5), d == 64))
     return cases
