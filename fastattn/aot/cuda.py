@@ -17,7 +17,6 @@ compile error, a spill over budget, a missing instruction or a forbidden one.
 
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import dataclasses
 import glob
@@ -59,16 +58,11 @@ KERNEL_RULES = (
 )
 
 
-def setup_nvcc_flags(setup_py: str | None = None) -> list[str]:
-    """The ``nvcc = [...]`` flag list of setup.py (read, not copied, so the two cannot drift)."""
-    setup_py = setup_py or os.path.join(ROOT, "setup.py")
-    with open(setup_py) as f:
-        tree = ast.parse(f.read())
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "nvcc"):
-            return list(ast.literal_eval(node.value))
-    raise CudaToolsMissing(f"no `nvcc = [...]` flag list in {setup_py}")
+def setup_nvcc_flags() -> list[str]:
+    """The nvcc flags setup.py builds with: fastattn.extending.DEFAULT_CUDA_CFLAGS, the one
+    place for them (setup.py reads them there too, so the two cannot drift)."""
+    from fastattn.extending import DEFAULT_CUDA_CFLAGS
+    return list(DEFAULT_CUDA_CFLAGS)
 
 
 def torch_nvcc_flags() -> list[str]:
