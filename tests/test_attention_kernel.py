@@ -447,8 +447,8 @@ def test_pruner_register_rules_for_sm90(tuned):
 
 def test_float32_configs_for_sm90(monkeypatch):
     """float32 (IEEE dots: FMA loops) gets tiles of its own on a GPU, measured clean for sm_90 by
-    fastattn.aot (bench/aot/README.md): attention's per-kernel lists, the FFN's two tiles, and the
-    paged forward's register limit at small head dims."""
+    fastattn.aot (bench/aot/README.md): attention's per-kernel lists, the FFN's two tiles, the
+    packed and paged kernels' table, and the paged forward's register limit at small head dims."""
     from fastattn.kernels import ffn, varlen
 
     monkeypatch.setattr(attn, "_INTERPRET", False)
@@ -456,11 +456,19 @@ def test_float32_configs_for_sm90(monkeypatch):
                          num_stages=3)]
     args = dict(BLOCK_D=128, BLOCK_DV=128, USE_TMA=False, HAS_MASK=False, HAS_DROPOUT=False,
                 lq_bucket=4096)
+    def described(configs):
+        return [(c.kwargs, c.num_warps, c.num_stages) for c in configs]
+
     for kernel in ("fwd", "dkdv", "dq"):
         kept = attn._prune(big, {}, kernel=kernel, Q=torch.empty(0, dtype=torch.float32), **args)
-        assert kept == attn._FP32_CONFIGS[kernel][:len(kept)] and kept
+        assert kept and described(kept) == described(attn._FP32_CONFIGS[kernel][:len(kept)])
         kept16 = attn._prune(big, {}, kernel=kernel, Q=torch.empty(0, dtype=torch.bfloat16), **args)
         assert all(c.kwargs["BLOCK_M"] == 128 for c in kept16)  # 16-bit: the list it was given
+    # a kernel without the forward's WARP_SPECIALIZE (the JVP) gets the float32 tiles without it:
+    # compiled Triton refuses a keyword the kernel lacks (the H100 run of 2026-11-26)
+    plain = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
+    kept = attn._prune(plain, {}, kernel="fwd", Q=torch.empty(0, dtype=torch.float32), **args)
+    assert kept and all(set(c.kwargs) == {"BLOCK_M", "BLOCK_N"} for c in kept)
 
     monkeypatch.setattr(ffn, "_INTERPRET", False)
     tiles = [(128, 256, 64, 8), (64, 64, 64, 4), (32, 64, 32, 2)]
@@ -472,8 +480,11 @@ def test_float32_configs_for_sm90(monkeypatch):
         assert [ffn._tile(c) for c in kept][:1] == want
 
     monkeypatch.setattr(varlen, "_INTERPRET", False)
-    assert varlen._paged_registers(64, 64) == {"maxnreg": 128}
-    assert varlen._paged_registers(128, 128) == {}
+    assert varlen._tiles(64, 64, torch.bfloat16, "paged")[-1] == {"maxnreg": 128}
+    assert varlen._tiles(128, 128, torch.bfloat16, "paged")[-1] == {}
+    for kernel in ("fwd", "paged", "dkdv", "dq"):  # packed and paged kernels: float32 tiles
+        for d in (64, 256):
+            assert varlen._tiles(d, d, torch.float32, kernel)[:4] == varlen._FP32_TILES[kernel][d > 128]
 
 
 def test_autotune_keys_bucket_lengths():
