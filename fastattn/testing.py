@@ -22,6 +22,7 @@ The extension kit (for fastattn's own ops and for users' kernels alike):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from typing import Any, Callable, Iterator, Sequence
 
@@ -41,6 +42,7 @@ __all__ = [
     "opcheck",
     "poisoned_outputs",
     "round_bf16_in_interpreter",
+    "strict_launches_in_interpreter",
     "to_numpy",
 ]
 
@@ -156,7 +158,7 @@ def round_bf16_in_interpreter() -> bool:
     under the interpreter then looks about twice as inaccurate as it is on a GPU (found as the
     Triton FFN's bfloat16 ``dw2``, 2.5-3.7x torch's error). This swaps the interpreter's
     conversion for a rounding one, only for float32 -> bfloat16; the test suite calls it once
-    (tests/conftest.py), and tests/test_interpreter.py checks it against torch bit for bit.
+    (tests/conftest.py), and tests/test_triton_rounding.py checks it against torch bit for bit.
     """
     try:
         from triton.runtime import interpreter
@@ -179,6 +181,40 @@ def round_bf16_in_interpreter() -> bool:
 
     rounding_convert._fastattn_rtne = True
     interpreter._convert_float = rounding_convert
+    return True
+
+
+def strict_launches_in_interpreter() -> bool:
+    """Make ``TRITON_INTERPRET=1`` refuse a launch keyword that is neither a parameter of the
+    kernel nor a compile option, as compiled Triton does (``JITFunction.run``: "Keyword argument
+    X was specified but unrecognised", a KeyError); returns whether it was installed (False: no
+    Triton, or already installed).
+
+    The interpreter drops such keywords silently, so a config meant for another kernel passes
+    every CPU test and fails at its first GPU launch: the float32 JVP did so on the H100 run of
+    2026-11-26 (kernels.attention's configs, with a WARP_SPECIALIZE the JVP kernel lacks). The
+    test suite calls this once (tests/conftest.py); tests/test_triton_rounding.py checks it.
+    """
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    run = InterpretedFunction.run
+    if getattr(run, "_fastattn_strict", False):
+        return False
+    options = {f.name for f in dataclasses.fields(CUDAOptions)}
+
+    def strict_run(self, *args, grid, warmup, **kwargs):
+        unknown = sorted(k for k in kwargs if k not in self.arg_names and k not in options)
+        if unknown:
+            raise KeyError(f"Keyword argument(s) {unknown} of {self.fn.__name__} are neither "
+                           "parameters of the kernel nor compile options: compiled Triton "
+                           "refuses them")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    strict_run._fastattn_strict = True
+    InterpretedFunction.run = strict_run
     return True
 
 

@@ -24,14 +24,20 @@ import pytest  # noqa: E402
 
 import fastattn  # noqa: E402
 from fastattn import backends  # noqa: E402
-from fastattn.testing import poisoned_outputs, round_bf16_in_interpreter  # noqa: E402
+from fastattn.testing import (  # noqa: E402
+    poisoned_outputs,
+    round_bf16_in_interpreter,
+    strict_launches_in_interpreter,
+)
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
 
 if not GPU:
-    # The interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest even.
+    # The interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest even, and
+    # takes launch keywords the compiled kernel would refuse: hold it to the GPU's behaviour.
     round_bf16_in_interpreter()
+    strict_launches_in_interpreter()
 
 
 def pytest_collection_modifyitems(config, items):

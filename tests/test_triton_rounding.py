@@ -1,8 +1,10 @@
-"""Triton's float32 -> bfloat16 / float16 conversions round as torch's do, bit for bit.
+"""Triton under the CPU interpreter behaves as compiled Triton where the suite relies on it.
 
-On a GPU this checks the compiled conversion; under the CPU interpreter it checks the
-suite's fix of the interpreter's (fastattn.testing.round_bf16_in_interpreter, installed by
-conftest.py), without which every bfloat16 output of a Triton kernel is truncated.
+Its float32 -> bfloat16 / float16 conversions round as torch's do, bit for bit. On a GPU this
+checks the compiled conversion; under the interpreter it checks the suite's fix of the
+interpreter's (fastattn.testing.round_bf16_in_interpreter, installed by conftest.py), without
+which every bfloat16 output of a Triton kernel is truncated. And a launch keyword the kernel
+does not take is refused, as compiled Triton refuses it (strict_launches_in_interpreter).
 """
 
 import numpy as np
@@ -45,3 +47,15 @@ def test_float32_casts_round_like_torch(dtype):
     bad = (~same).nonzero().flatten()[:5].tolist()
     assert not bad, [(x[i].item(), y[i].item(), want[i].item()) for i in bad]
 
+
+
+def test_a_launch_keyword_the_kernel_lacks_is_refused():
+    """Compiled Triton refuses a keyword that is neither a kernel parameter nor a compile option
+    (a KeyError at launch); under the interpreter the suite holds it to the same rule
+    (fastattn.testing.strict_launches_in_interpreter), so a config made for another kernel
+    fails on the CPU too. Parameters and options (num_warps, maxnreg, ...) still pass."""
+    x = torch.zeros(8, device=DEVICE)
+    y = torch.empty(8, dtype=torch.bfloat16, device=DEVICE)
+    _cast_kernel[(1,)](x, y, 8, BLOCK=8, num_warps=4, num_stages=1)
+    with pytest.raises(KeyError, match="WARP_SPECIALIZE"):
+        _cast_kernel[(1,)](x, y, 8, BLOCK=8, WARP_SPECIALIZE=False)
