@@ -187,8 +187,8 @@ def round_bf16_in_interpreter() -> bool:
 def strict_launches_in_interpreter() -> bool:
     """Make ``TRITON_INTERPRET=1`` refuse a launch keyword that is neither a parameter of the
     kernel nor a compile option, as compiled Triton does (``JITFunction.run``: "Keyword argument
-    X was specified but unrecognised", a KeyError); returns whether it was installed (False: no
-    Triton, or already installed).
+    X was specified but unrecognised", a KeyError); returns whether it is in place (False: no
+    Triton).
 
     The interpreter drops such keywords silently, so a config meant for another kernel passes
     every CPU test and fails at its first GPU launch: the float32 JVP did so on the H100 run of
@@ -202,7 +202,7 @@ def strict_launches_in_interpreter() -> bool:
         return False
     run = InterpretedFunction.run
     if getattr(run, "_fastattn_strict", False):
-        return False
+        return True
     options = {f.name for f in dataclasses.fields(CUDAOptions)}
 
     def strict_run(self, *args, grid, warmup, **kwargs):
