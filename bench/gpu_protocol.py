@@ -46,6 +46,7 @@ import tarfile
 import threading
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL_BUDGET_S = 480          # every call's steps end within this (the tool allows 600)
@@ -314,14 +315,12 @@ def _pack(call: str, out: Path, records: list[dict]) -> None:
 
 def _all_skipped(cmd: list[str]) -> bool:
     """Whether a pytest step's junit XML says that every test it collected was skipped."""
-    xml = next((part.split("=", 1)[1] for part in cmd if part.startswith("--junitxml=")), None)
-    if xml is None or not Path(xml).is_file():
+    path = next((part.split("=", 1)[1] for part in cmd if part.startswith("--junitxml=")), None)
+    if path is None or not Path(path).is_file():
         return False
-    import xml.etree.ElementTree as ET
-    suites = ET.parse(xml).getroot().iter("testsuite")
-    counts = [(int(t.get("tests", 0)), int(t.get("skipped", 0))) for t in suites]
-    tests, skipped = map(sum, zip(*counts)) if counts else (0, 0)
-    return tests > 0 and tests == skipped
+    suites = list(ElementTree.parse(path).getroot().iter("testsuite"))
+    tests = sum(int(s.get("tests", 0)) for s in suites)
+    return tests > 0 and tests == sum(int(s.get("skipped", 0)) for s in suites)
 
 
 def run_step(step: Step, out: Path) -> dict:

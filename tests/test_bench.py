@@ -328,7 +328,6 @@ def test_cpu_providers_are_timed_in_interleaved_rounds():
     assert all(sorted(calls[i:i + 2]) == ["p", "q"] for i in range(2, 6, 2))  # rounds: one call each
 
 
-
 def test_paired_ratio_is_the_median_of_per_round_ratios():
     """A slowdown that hit rounds 3-6, where only the slower call still ran, moves a ratio of
     medians 5x; the per-round ratio over the rounds both ran does not move."""
@@ -338,6 +337,7 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     assert slow.summary()[0] / fast.summary()[0] == 10.0
     assert bench.paired_ratio(fast, bench.Samples({9: 1.0})) is None
     assert bench.paired_ratio(None, fast) is None
+
 
 _FAULTS = """
 import resource, torch

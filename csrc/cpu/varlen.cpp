@@ -538,7 +538,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cpu(
   auto out = at::empty({B, q.size(1), q.size(2), v_cache.size(3)}, q.options());
   auto lse = at::empty({B, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_fwd", [&] {
+  FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "paged_attention_fwd", [&] {
     paged_fwd_impl<scalar_t>(q, k_cache, v_cache, table, max_blocks, lens, out, lse, scale,
                              bottom_right, left, right);
   });
@@ -557,7 +557,7 @@ void dense_decode_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t B = q.size(0);
   std::vector<int64_t> table(B), lens(B, k.size(2));
   std::iota(table.begin(), table.end(), int64_t{0});
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_fwd_decode", [&] {
+  FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_fwd_decode", [&] {
     paged_fwd_impl<scalar_t>(q, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}), table, 1, lens,
                              out, lse, scale, bottom_right, left, right);
   });
