@@ -141,6 +141,32 @@ def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
 
 
 @pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("H,Lq,Lk", [(8, 60, 70), (4, 100, 100), (4, 120, 300)], ids=["gqa", "two-blocks", "two-tiles"])
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal="bottom_right", window=(20, 0)),
+                                  dict(mask="bias"), dict(dropout_p=0.25, seed=7)], ids=["causal", "window", "bias", "dropout"])
+def test_cpu_forward_claims_a_kv_head_at_a_time(threads, H, Lq, Lk, opts):
+    """Where every key tile serves at most two tasks and the kv heads outnumber the threads, a
+    cpu forward worker claims all tasks of one kv head at once and packs its key tiles once
+    (kv_major in csrc/cpu/attention.cpp): the GQA group's heads, or a head's two query blocks,
+    against the reference with every option, on 1 and 2 threads, one and two key tiles."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{threads}{H}{Lq}{opts}".encode()))
+        B, Hkv, D = 2, 4, 16
+        q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, D, "cpu", torch.float32, g)
+        kw = dict(opts)
+        mask = _mask(kw.pop("mask", None), B, H, Lq, Lk, "cpu", torch.float32, g)
+        out = fastattn.attention(q, k, v, mask, enable_gqa=True, backend="cpu", **kw)
+    finally:
+        torch.set_num_threads(old)
+    ref, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), None if mask is None else to_numpy(mask),
+                                 enable_gqa=True, **kw)
+    assert_close_to_reference(out, ref, name="out")
+
+
+@pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
 @pytest.mark.parametrize("hkv", [1, 2], ids=["two-pass", "one-pass"])
 @pytest.mark.parametrize("mask_kind", ["bf16-bias", "fp16-bias-transposed", "bool"])
 def test_cpu_backward_stages_long_mask_rows(mask_kind, hkv):

@@ -105,6 +105,10 @@ struct FwdArgs {
   // pack_tile(pack_ctx, bg, kb, kt, vp, buf) writes tile kb of kv head bg as pack_kv_tile does.
   void (*pack_tile)(const void*, int64_t, int64_t, A*, A*, A*) = nullptr;
   const void* pack_ctx = nullptr;
+  // Set with pack_tile where the kv heads outnumber the threads: a worker claims the G * nqb
+  // tasks of one kv head at a time (bh = t / nqb), so its key tiles are packed once, not once
+  // per task (a task per (b, h, query block) otherwise).
+  bool kv_major = false;
 };
 
 template <class V, bool kStats>
@@ -121,9 +125,12 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
   std::vector<A> kbuf(local ? kColumnGroup * D : 0);
   int64_t held = -1;  // the tile ktile / vtile hold (bg * nkb + kb)
   bool held_bad = false;
-  const int64_t ntasks = sh.B * sh.H * p.nqb;
-  for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
-    const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, BQ, p.drop);
+  const int64_t ntasks = sh.B * sh.H * p.nqb, chunk = p.kv_major ? sh.G * p.nqb : 1;
+  for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < ntasks;)
+  for (int64_t t = t0; t < std::min(t0 + chunk, ntasks); ++t) {
+    const auto [qb, bh, b, h, bg, i0, nq, stream] =
+        p.kv_major ? query_task(t % p.nqb * sh.B * sh.H + t / p.nqb, sh, p.qb_order, BQ, p.drop)
+                   : query_task(t, sh, p.qb_order, BQ, p.drop);
     const A* qblk = p.qp + (bh * sh.Lq + i0) * p.qld;
     std::fill(m.begin(), m.begin() + nq, neg_inf);
     std::fill(l.begin(), l.begin() + nq, A(0));
@@ -523,7 +530,8 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const auto acc_opts = q.options().dtype(c10::CppTypeToScalarType<A>::value);
   const Shape sh{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
                  q.size(3), v.size(3)};
-  const int64_t BQ = kFwdBlockQ, BK = kFwdBlockK;
+  // (key tiles no wider than the keys: a 128-key head in one 128-key tile, not half a 256 one)
+  const int64_t BQ = kFwdBlockQ, BK = std::min(kFwdBlockK, round_up(sh.Lk, kColumnGroup));
   const int64_t nqb = ceil_div(sh.Lq, BQ), nkb = ceil_div(sh.Lk, BK), Dvp = round_up(sh.Dv, kPad<A>);
   // A key tile serves the nqb * G tasks of its kv head. Where that is at most two, each task packs
   // the tiles it uses into its own buffers, in cache: packing all of k and v first writes them
@@ -557,6 +565,7 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (local) {
     p.pack_tile = &KvTiles<T, A>::pack;
     p.pack_ctx = &tiles;
+    p.kv_major = nqb * sh.G > 1 && sh.B * sh.Hkv >= 4 * at::get_num_threads();
   }
   run_workers(sh.B * sh.H * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, false>(p, next); });
   if (!out_acc.is_same(out)) out.copy_(out_acc);

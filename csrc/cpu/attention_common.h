@@ -291,10 +291,14 @@ inline void put_columns(const A* buf, A* out, int64_t dim, int64_t tile, int64_t
   }
 }
 
-// Columns [n, tile) of a transposed tile (dim x tile) set to zero.
+// Columns [n, round_up(n, kColumnGroup)) of a transposed tile (dim x tile) set to zero: the
+// GEMMs read a tile's columns up to its keys rounded to a whole vector (at most kColumnGroup
+// values), never further, so a short last tile (or a tile wider than the sequence) leaves the
+// rest unwritten (a 128-key head in a 256-key tile: half the packing's stores were zeros).
 template <class A>
 inline void zero_columns(A* out, int64_t dim, int64_t tile, int64_t n) {
-  for (int64_t d = 0; d < dim; ++d) std::fill(out + d * tile + n, out + (d + 1) * tile, A(0));
+  const int64_t end = std::min(tile, round_up(n, kColumnGroup));
+  for (int64_t d = 0; d < dim; ++d) std::fill(out + d * tile + n, out + d * tile + end, A(0));
 }
 
 // Transposed tiles: dst[((bh * ntiles + t) * dim + d) * tile + c] = scale * src[b, head, t * tile + c, d],
