@@ -20,13 +20,15 @@
 //   That is O((Lq + Lk) * D) memory. The workers depend on A only; float16 / bfloat16 outputs are
 //   computed in A and rounded once at the end. In the forward a key tile serves nqb * G tasks;
 //   where that is at most two, each task packs the k / v tiles it uses into its own buffers
-//   instead (pack_kv_tile), in cache, and only q is packed first.
+//   instead (pack_kv_tile), in cache, and only q is packed first; where the kv heads also
+//   outnumber the threads, a worker takes all tasks of one kv head at once (kv_major), so each
+//   tile is packed once.
 // * Few queries (at most kDecodeRows rows per kv head, no mask, no dropout): the forward runs as
 //   decoding, through the paged forward's split-KV worker reading k and v rows in place
 //   (cpu::dense_decode_fwd, csrc/cpu/varlen.cpp). Packing costs O(Lk * D), as much as the
 //   attention itself at one query.
 // * Forward: one task per (query block of kFwdBlockQ rows, b, h). It visits only the key tiles
-//   (kFwdBlockK keys) that intersect the band, each cut to the keys some row of the block can see
+//   (kFwdBlockK keys, or Lk rounded up to 16 when shorter) that intersect the band, each cut to the keys some row of the block can see
 //   (trim_to_band), and none that a key-padding mask removes whole (masked_key_tiles; both exact:
 //   what is left out adds nothing to any row); per tile S = (scale Q) K^T (register-blocked GEMM,
 //   cpu_gemm.h), the mask (read through its strides), the band (edge tiles only: tiles fully
