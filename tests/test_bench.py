@@ -34,6 +34,20 @@ def tiny_run(tmp_path_factory):
         return path, json.load(f)
 
 
+def test_environment_records_the_isa_caps_of_torchs_gemms(monkeypatch):
+    """An AVX2 run on an AVX-512 machine caps oneDNN and MKL too (docs/benchmarking.md): the
+    environment block says which caps were set, and leaves out those that were not."""
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    env = bench.environment("cpu")
+    assert "onednn_max_cpu_isa" not in env and "mkl_enable_instructions" not in env
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    env = bench.environment("cpu")
+    assert env["onednn_max_cpu_isa"] == "avx2" and env["mkl_enable_instructions"] == "avx2"
+
+
 def test_cli_writes_json_with_environment_and_ratios(tiny_run):
     _, data = tiny_run
     env = data["environment"]

@@ -599,11 +599,14 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         env["cpu_isa"] = _cpu_isa()
         # the ISA of torch's own CPU kernels (the peers'), capped by $ATEN_CPU_CAPABILITY; its
         # GEMMs' (oneDNN: bf16 / fp16 matmuls, whose bf16 dot instructions an AVX2 machine
-        # lacks) capped by $ONEDNN_MAX_CPU_ISA, recorded when set
+        # lacks; MKL: float32 matmuls, and the flash attention's GEMMs, AVX-512 on an Intel CPU)
+        # capped by $ONEDNN_MAX_CPU_ISA and $MKL_ENABLE_INSTRUCTIONS, recorded when set
         env["torch_cpu_isa"] = torch.backends.cpu.get_cpu_capability().lower()
         onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
         if onednn:
             env["onednn_max_cpu_isa"] = onednn.lower()
+        if os.environ.get("MKL_ENABLE_INSTRUCTIONS"):
+            env["mkl_enable_instructions"] = os.environ["MKL_ENABLE_INSTRUCTIONS"].lower()
         env["cpu_malloc"] = _CPU_MALLOC or "default"
     env["commit"] = _git("rev-parse", "--short", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
