@@ -141,6 +141,31 @@ def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
 
 
 @pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
+@pytest.mark.parametrize("torch_kernel", ["0", "1"], ids=["own-kernel", "torch-kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 40, 33, 16), (1, 2, 130, 130, 64), (1, 2, 17, 300, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cpu_plain_forward_on_either_kernel(monkeypatch, torch_kernel, dtype, shape):
+    """The cpu backend's non-causal forward without mask or dropout runs torch's own CPU flash
+    kernel on Intel CPUs and its own elsewhere (FASTATTN_CPU_TORCH_ATTENTION=1 / 0 forces one):
+    either way the output, the lse its backward uses and the gradients match the reference."""
+    monkeypatch.setenv("FASTATTN_CPU_TORCH_ATTENTION", torch_kernel)
+    B, H, Lq, Lk, D = shape
+    g = torch.Generator().manual_seed(zlib.crc32(f"{shape}{dtype}{torch_kernel}".encode()))
+    q, k, v = _qkv(B, H, H, Lq, Lk, D, D, "cpu", dtype, g)
+    out, lse = fastattn.attention(q, k, v, return_lse=True, backend="cpu")
+    ref, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v))
+    assert_close_to_reference(out, ref, name="out")
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, Lq) and lse.is_contiguous()
+    assert_close_to_reference(lse, ref_lse, name="lse")
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v))
+    for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
+        assert_close_to_reference(got, want, name=name)
+
+
+@pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("H,Lq,Lk", [(8, 60, 70), (4, 100, 100), (4, 120, 300)], ids=["gqa", "two-blocks", "two-tiles"])
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal="bottom_right", window=(20, 0)),

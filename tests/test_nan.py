@@ -158,14 +158,20 @@ def _check_rule(name, L, ref):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
-@pytest.mark.parametrize("value", [float("inf"), float("-inf")], ids=["inf", "-inf"])
-def test_full_band_infinite_query_rows(backend, device, value):
-    """Nothing masked, one query row with an infinite feature and one all infinite: their scores
-    hold +-inf, so IEEE arithmetic (the reference) makes both rows NaN and leaves the others
-    exact. (torch 2.13's AVX-512 CPU flash kernel outputs 0 with lse 0 for such rows: a kernel
-    must not take a shortcut there.)"""
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("torch_kernel", [None, "0", "1"], ids=["auto", "own-kernel", "torch-kernel"])
+def test_full_band_infinite_query_rows(backend, device, value, torch_kernel, monkeypatch):
+    """Nothing masked, one query row with a non-finite feature and one all non-finite: their
+    scores hold +-inf or NaN, so IEEE arithmetic (the reference) makes both rows NaN and leaves
+    the others exact. The cpu backend hands this forward to torch's own CPU flash kernel on Intel
+    CPUs (FASTATTN_CPU_TORCH_ATTENTION=1: anywhere), whose AVX-512 path outputs 0 with lse 0 for
+    such rows (torch 2.13): it must notice and not keep that."""
     if backend == "cuda":
         pytest.skip("the cuda attention kernels take float16 / bfloat16 only")
+    if torch_kernel is not None and backend != "cpu":
+        pytest.skip("FASTATTN_CPU_TORCH_ATTENTION is the cpu backend's")
+    if torch_kernel is not None:
+        monkeypatch.setenv("FASTATTN_CPU_TORCH_ATTENTION", torch_kernel)
     B, H, L, D = 1, 2, 9, 16
     g = torch.Generator().manual_seed(11)
     q, k, v, dout = _inputs(B, H, L, D, g, torch.float32, "cpu")

@@ -58,12 +58,16 @@
 // index arithmetic is int64 (the dropout counter i * Lk + j wraps mod 2^32 by definition).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Logging.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -501,6 +505,77 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// torch's own CPU flash attention forward (aten::_scaled_dot_product_flash_attention_for_cpu), for
+// the one case where it is the faster kernel on some CPUs and computes exactly this op's contract:
+// the forward of non-causal attention (the band is everything) with no mask, no dropout,
+// H == Hkv, D == Dv, float32 or bfloat16. No key is masked out there, so the NaN rule is plain
+// IEEE arithmetic, which torch's kernel follows but for a query row with a NaN or an infinity on
+// AVX-512 (torch_forward_kept). Same lse convention (natural log, float32, (B, H, Lq)), so our
+// backward takes its output.
+// Where: on Intel CPUs, whose MKL GEMMs inside torch's kernel outrun our tile GEMMs (Xeon,
+// AVX-512 and AVX2: ours took 1.23-1.33x its time at 4x4x256x64 float32 on one thread; the
+// bench's plain forwards read 0.78-0.95x torch); not on AMD, where ours is 7-15% faster
+// (bench/results/cpu-notes.md, sessions 17 and 19). FASTATTN_CPU_TORCH_ATTENTION=0 / 1 turns it
+// off / on whatever the CPU (read on every call); the first call that takes it is logged (INFO).
+
+// Whether x holds a NaN or an infinity (all exponent bits set) or, with kZero, a zero (+-0).
+// Contiguous float32 / bfloat16: integer tests in chunks that the compiler can vectorize,
+// stopping at the first chunk with one, with no temporary tensor; anything else through ATen.
+template <bool kZero = false>
+bool tensor_nonfinite(const at::Tensor& x) {
+  auto scan = [&x](auto word, auto exponent) {
+    using W = decltype(word);
+    const W* bits = static_cast<const W*>(x.const_data_ptr());
+    const W magnitude = static_cast<W>(~W(0) >> 1);
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; i += 4096) {
+      const int64_t end = std::min(n, i + 4096);
+      W bad = 0;
+      for (int64_t j = i; j < end; ++j) {
+        bad |= static_cast<W>((bits[j] & exponent) == exponent);
+        if constexpr (kZero) bad |= static_cast<W>((bits[j] & magnitude) == 0);
+      }
+      if (bad) return true;
+    }
+    return false;
+  };
+  if (x.is_contiguous() && x.scalar_type() == at::kFloat) return scan(uint32_t{}, uint32_t{0x7F800000u});
+  if (x.is_contiguous() && x.scalar_type() == at::kBFloat16) return scan(uint16_t{}, uint16_t{0x7F80u});
+  const bool bad = !at::isfinite(x).all().item<bool>();
+  return kZero ? bad || !x.ne(0).all().item<bool>() : bad;
+}
+
+bool torch_forward_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           bool plain, const Band& band) {
+  const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION");
+  const bool on = env != nullptr && env[0] != '\0' ? std::strcmp(env, "0") != 0 : cpu::intel_cpu();
+  const auto st = q.scalar_type();
+  if (!on || !plain || q.size(1) != k.size(1) || q.size(3) != v.size(3) ||
+      !(st == at::kFloat || st == at::kBFloat16)) {
+    return false;
+  }
+  return band.lo <= -(q.size(2) - 1) && band.hi >= k.size(2) - 1;  // every query sees every key
+}
+
+// Whether torch's forward output may be kept. A NaN in a query row: torch 2.13's AVX-512 kernel
+// outputs 0 for that row with lse 0, where IEEE arithmetic, the NaN rule and its own AVX2 kernel
+// give NaN (tests/test_nan.py, full-band); so does a row with an infinity. Such a row leaves an
+// lse of 0 or a non-finite one, so q itself (D times the lse's size) is scanned only when some
+// lse is: then a q with a NaN or an infinity takes our kernel.
+bool torch_forward_kept(const at::Tensor& q, const at::Tensor& lse) {
+  return !tensor_nonfinite</*kZero=*/true>(lse) || !tensor_nonfinite(q);
+}
+
+void log_torch_kernel() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    LOG(INFO) << "fastattn cpu attention: the forward of non-causal attention without mask or "
+              << "dropout runs on torch's own CPU flash attention kernel, the faster one on this CPU "
+              << "(FASTATTN_CPU_TORCH_ATTENTION=0 turns this off)";
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Ops.
 
 // Forwards of at most this many query rows per kv head (Lq * G), with no mask and no dropout,
@@ -584,6 +659,17 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
   const cpu::MaskView mview = cpu::make_mask_view(mask, {B, H, Lq, Lk}, q, "q");
   const Dropout drop = make_dropout(dropout_p, seed);
   const Band band = make_band(offset, left, right, Lq, Lk);
+  const bool plain = !(mask.has_value() && mask->defined()) && dropout_p == 0.0;
+  const bool decode = plain && (offset == 0 || offset == Lk - Lq) && Lq * (H / k.size(1)) <= kDecodeRows;
+  if (B * H * Lq > 0 && Lk > 0 && !decode && torch_forward_applies(q, k, v, plain, band)) {
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, std::nullopt, scale);
+    l = l.contiguous();
+    if (torch_forward_kept(q, l)) {
+      log_torch_kernel();
+      return {o.contiguous(), l};
+    }
+  }
+  // (allocated only when our kernels write them: torch's returns its own)
   at::Tensor out = at::empty({B, H, Lq, Dv}, q.options());
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
   if (B * H * Lq == 0) return {out, lse};
@@ -592,8 +678,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
-  const bool plain = !(mask.has_value() && mask->defined()) && dropout_p == 0.0;
-  if (plain && (offset == 0 || offset == Lk - Lq) && Lq * (H / k.size(1)) <= kDecodeRows) {
+  if (decode) {
     cpu::dense_decode_fwd(q, k, v, scale, /*bottom_right=*/offset != 0, left, right, out, lse);
     return {out, lse};
   }

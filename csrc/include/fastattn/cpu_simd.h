@@ -78,6 +78,16 @@ inline Isa detect_isa() {
   return best;
 }
 
+// Whether this is an Intel CPU (the cpu attention forward's choice of kernel depends on it).
+inline bool intel_cpu() {
+#if FASTATTN_X86_DISPATCH
+  static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
+  return intel;
+#else
+  return false;
+#endif
+}
+
 // The ISA the kernels use in this process (detected once).
 inline Isa cpu_isa() {
   static const Isa isa = detect_isa();
