@@ -23,15 +23,18 @@
 //   instead (pack_kv_tile), in cache, and only q is packed first; where the kv heads also
 //   outnumber the threads, a worker takes all tasks of one kv head at once (kv_major), so each
 //   tile is packed once.
+// * On Intel CPUs the non-causal forward with no mask and no dropout (H == Hkv, D == Dv, float32
+//   or bfloat16) runs torch's own CPU flash attention, whose MKL GEMMs are the faster there
+//   (torch_forward_applies, below); the NaN rule is checked on its output.
 // * Few queries (at most kDecodeRows rows per kv head, no mask, no dropout): the forward runs as
 //   decoding, through the paged forward's split-KV worker reading k and v rows in place
 //   (cpu::dense_decode_fwd, csrc/cpu/varlen.cpp). Packing costs O(Lk * D), as much as the
 //   attention itself at one query.
 // * Forward: one task per (query block of kFwdBlockQ rows, b, h). It visits only the key tiles
-//   (kFwdBlockK keys, or Lk rounded up to 16 when shorter) that intersect the band, each cut to the keys some row of the block can see
-//   (trim_to_band), and none that a key-padding mask removes whole (masked_key_tiles; both exact:
-//   what is left out adds nothing to any row); per tile S = (scale Q) K^T (register-blocked GEMM,
-//   cpu_gemm.h), the mask (read through its strides), the band (edge tiles only: tiles fully
+//   (kFwdBlockK keys, or Lk rounded up to 16 when shorter) that intersect the band, each cut to
+//   the keys some row of the block can see (trim_to_band), and none that a key-padding mask
+//   removes whole (masked_key_tiles; both exact: what is left out adds nothing to any row); per
+//   tile S = (scale Q) K^T (register-blocked GEMM, cpu_gemm.h), the mask (read through its strides), the band (edge tiles only: tiles fully
 //   inside it skip the test), online softmax (running max / sum, vectorized exp), dropout, and
 //   O += P V. Rows that saw no key end with l = 0: O = 0 and lse = -inf.
 // * Backward: delta = rowsum(dO * O), then P is recomputed from lse per tile (64 x 64 tiles).
