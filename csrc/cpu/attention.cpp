@@ -34,9 +34,10 @@
 //   (kFwdBlockK keys, or Lk rounded up to 16 when shorter) that intersect the band, each cut to
 //   the keys some row of the block can see (trim_to_band), and none that a key-padding mask
 //   removes whole (masked_key_tiles; both exact: what is left out adds nothing to any row); per
-//   tile S = (scale Q) K^T (register-blocked GEMM, cpu_gemm.h), the mask (read through its strides), the band (edge tiles only: tiles fully
-//   inside it skip the test), online softmax (running max / sum, vectorized exp), dropout, and
-//   O += P V. Rows that saw no key end with l = 0: O = 0 and lse = -inf.
+//   tile S = (scale Q) K^T (register-blocked GEMM, cpu_gemm.h), the mask (read through its
+//   strides), the band (edge tiles only: tiles fully inside it skip the test), online softmax
+//   (running max / sum, vectorized exp), dropout, and O += P V. Rows that saw no key end with
+//   l = 0: O = 0 and lse = -inf.
 // * Backward: delta = rowsum(dO * O), then P is recomputed from lse per tile (64 x 64 tiles).
 //   No atomics: every output element has one owner, so results are deterministic.
 //   - one pass, when the (b, kv head) pairs keep the threads busy: one task per (b, kv head) owns
