@@ -522,33 +522,6 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 // (bench/results/cpu-notes.md, sessions 17 and 19). FASTATTN_CPU_TORCH_ATTENTION=0 / 1 turns it
 // off / on whatever the CPU (read on every call); the first call that takes it is logged (INFO).
 
-// Whether x holds a NaN or an infinity (all exponent bits set) or, with kZero, a zero (+-0).
-// Contiguous float32 / bfloat16: integer tests in chunks that the compiler can vectorize,
-// stopping at the first chunk with one, with no temporary tensor; anything else through ATen.
-template <bool kZero = false>
-bool tensor_nonfinite(const at::Tensor& x) {
-  auto scan = [&x](auto word, auto exponent) {
-    using W = decltype(word);
-    const W* bits = static_cast<const W*>(x.const_data_ptr());
-    const W magnitude = static_cast<W>(~W(0) >> 1);
-    const int64_t n = x.numel();
-    for (int64_t i = 0; i < n; i += 4096) {
-      const int64_t end = std::min(n, i + 4096);
-      W bad = 0;
-      for (int64_t j = i; j < end; ++j) {
-        bad |= static_cast<W>((bits[j] & exponent) == exponent);
-        if constexpr (kZero) bad |= static_cast<W>((bits[j] & magnitude) == 0);
-      }
-      if (bad) return true;
-    }
-    return false;
-  };
-  if (x.is_contiguous() && x.scalar_type() == at::kFloat) return scan(uint32_t{}, uint32_t{0x7F800000u});
-  if (x.is_contiguous() && x.scalar_type() == at::kBFloat16) return scan(uint16_t{}, uint16_t{0x7F80u});
-  const bool bad = !at::isfinite(x).all().item<bool>();
-  return kZero ? bad || !x.ne(0).all().item<bool>() : bad;
-}
-
 bool torch_forward_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            bool plain, const Band& band) {
   const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION");
@@ -564,10 +537,13 @@ bool torch_forward_applies(const at::Tensor& q, const at::Tensor& k, const at::T
 // Whether torch's forward output may be kept. A NaN in a query row: torch 2.13's AVX-512 kernel
 // outputs 0 for that row with lse 0, where IEEE arithmetic, the NaN rule and its own AVX2 kernel
 // give NaN (tests/test_nan.py, full-band); so does a row with an infinity. Such a row leaves an
-// lse of 0 or a non-finite one, so q itself (D times the lse's size) is scanned only when some
-// lse is: then a q with a NaN or an infinity takes our kernel.
+// lse of 0 or a non-finite one, so q itself (D times the lse's size) is checked only when some
+// lse is: then a q with a NaN or an infinity takes our kernel. (lse: float32, contiguous.)
 bool torch_forward_kept(const at::Tensor& q, const at::Tensor& lse) {
-  return !tensor_nonfinite</*kZero=*/true>(lse) || !tensor_nonfinite(q);
+  const float* l = lse.const_data_ptr<float>();
+  bool suspect = false;
+  for (int64_t i = 0; i < lse.numel(); ++i) suspect |= !std::isfinite(l[i]) || l[i] == 0.0f;
+  return !suspect || at::isfinite(q).all().item<bool>();
 }
 
 void log_torch_kernel() {
