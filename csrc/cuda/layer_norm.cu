@@ -488,14 +488,16 @@ void launch_bwd(BwdParams<T, W> p, int threads, int groups, at::Tensor& dweight,
   const auto kernel = layer_norm_bwd_kernel<T, W, kVec, kWarp>;
   const int grid = resident_grid(kernel, threads, smem, ceil_div(p.rows, groups));
   at::Tensor part_w, part_b;
-  const auto f32 = (dweight.defined() ? dweight : dbias).options().dtype(at::kFloat);
-  if (dweight.defined()) {
-    part_w = at::empty({grid, p.n}, f32);
-    p.part_w = part_w.data_ptr<float>();
-  }
-  if (dbias.defined()) {
-    part_b = at::empty({grid, p.n}, f32);
-    p.part_b = part_b.data_ptr<float>();
+  if (num_acc > 0) {  // (without weight and bias both are undefined: they have no options)
+    const auto f32 = (dweight.defined() ? dweight : dbias).options().dtype(at::kFloat);
+    if (dweight.defined()) {
+      part_w = at::empty({grid, p.n}, f32);
+      p.part_w = part_w.data_ptr<float>();
+    }
+    if (dbias.defined()) {
+      part_b = at::empty({grid, p.n}, f32);
+      p.part_b = part_b.data_ptr<float>();
+    }
   }
   kernel<<<grid, threads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
