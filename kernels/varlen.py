@@ -95,8 +95,8 @@ def _tiles(D, Dv, dtype, kernel="fwd"):
     if _INTERPRET:
         return 16, 16, 4, 1, {}
     wide = max(D, Dv)
-    if dtype == torch.float32:
-        return (*_FP32_TILES[kernel][wide > 128], {})
+    if dtype == torch.float32:  # (not [wide > 128]: with dynamic shapes a SymBool, no index)
+        return (*_FP32_TILES[kernel][1 if wide > 128 else 0], {})
     if kernel in ("fwd", "paged"):
         shape = (64, 64, 4) if wide <= 128 else (32, 32, 4)
         return (*shape, 2, {"maxnreg": 128} if kernel == "paged" and wide <= 64 else {})
