@@ -94,12 +94,20 @@ class Backend:
                 return f"it has no {what} for {op}"
         return None
 
+    def why_unavailable(self) -> str | None:
+        """``self.unavailable()``; under torch.compile a constant read once, not traced: the
+        checks import, read the environment and are cached, none of which tracing takes (an
+        H100, torch 2.11, 2026-11-27: every fullgraph compile of a Triton op broke there)."""
+        if torch.compiler.is_compiling() and _REGISTRY.get(self.name) is self:
+            return _unavailable_constant(self.name)
+        return self.unavailable()
+
     def refuses(
         self, op: str, device: torch.device, dtype: torch.dtype | None, facts: dict, needs: tuple[str, ...] = ()
     ) -> str | None:
         """Why this backend cannot run ``op`` on these inputs, or None when it can."""
         cap = self.caps.get(op, _NO_CAPABILITY)
-        problem = self.missing.get(op) or self.unavailable()
+        problem = self.missing.get(op) or self.why_unavailable()
         if problem is None and op not in self.impls:
             problem = f"it has no implementation of {op}"
         if problem is None and device_type(device) not in (cap.devices or self.devices):
@@ -109,6 +117,11 @@ class Backend:
         if problem is None and cap.limits is not None:
             problem = cap.limits(**facts)
         return problem or (self.lacks(op, needs) if needs else None)
+
+
+@torch.compiler.assume_constant_result
+def _unavailable_constant(name: str) -> str | None:
+    return _REGISTRY[name].unavailable()
 
 
 def interpreting() -> bool:
@@ -333,7 +346,7 @@ def select(
     best = None
     for name in _PREFERENCE.get(device_type(device), ("naive",)):
         b = _REGISTRY[name]
-        if b.unavailable() is None and op in b.impls and op not in b.missing:
+        if b.why_unavailable() is None and op in b.impls and op not in b.missing:
             best = best or name
             problem = b.refuses(op, device, dtype, facts, needs)
             if problem is None:

@@ -153,3 +153,25 @@ def test_a_remembered_choice_follows_the_registry_context_and_environment(monkey
     backends._REGISTRY["spy"].impls["layer_norm"] = lambda *a: (calls.append("other"), before(*a))[1]
     fastattn.layer_norm(x, (4,), backend="spy")
     assert calls[-2:] == ["other", "spy"]
+
+
+@pytest.mark.parametrize("name", ["auto", *backends.BUILTIN])
+def test_selection_compiles_without_graph_breaks(name, monkeypatch):
+    """torch.compile(fullgraph=True) runs the choice of a backend (the first call of a kind, not
+    yet remembered): each backend's availability check is read as a constant, not traced (an
+    H100, torch 2.11, 2026-11-27: tracing the Triton check broke every fullgraph compile of a
+    Triton op; here, torch 2.13 could not trace its environment read either)."""
+    x = torch.randn(3)
+    asked = None if name == "auto" else name
+    if asked is not None and asked not in fastattn.available_backends():
+        pytest.skip(f"{name} unavailable here")
+    monkeypatch.setattr(backends, "_CHOSEN", {})
+    torch._dynamo.reset()
+
+    def f(x):
+        chosen, _ = backends.select("layer_norm", x.device, asked, x.dtype)
+        return x * 2 if chosen == (asked or eager) else x
+
+    eager = backends.select("layer_norm", x.device, asked, x.dtype)[0]
+    backends._CHOSEN.clear()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(x), x * 2)
