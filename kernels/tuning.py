@@ -52,8 +52,16 @@ def cdiv(a, b):
 
 
 def next_power_of_2(n):
-    """``triton.next_power_of_2(n)`` on the host (0 for 0), for the same reason as :func:`cdiv`;
-    the same bit arithmetic, so a symbolic size under torch.compile passes as it did there."""
+    """``triton.next_power_of_2(n)`` on the host (0 for 0), for the same reason as :func:`cdiv`.
+    A symbolic size (torch.compile's dynamic shapes) gives an int, with a range guard a
+    doubling: block sizes are constexprs, so they are specialized on anyway, and the bit
+    arithmetic below, traced, left guards that sympy took minutes over (rope's launcher, an
+    H100, 2026-11-27: opcheck past 150 s; 459 s on a CPU)."""
+    if isinstance(n, torch.SymInt):
+        power = 0 if n <= 0 else 1
+        while power and n > power:
+            power *= 2
+        return power
     n -= 1
     for shift in (1, 2, 4, 8, 16, 32):
         n |= n >> shift
