@@ -841,7 +841,8 @@ def _fwd_tiles(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, offs_d
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["lq_bucket", "lk_bucket", *_BAND_KEYS, "USE_TMA"],
-                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="fwd")})
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="fwd")},
+                 do_bench=tuning.do_bench)
 @triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, Mask,
@@ -1083,7 +1084,8 @@ def _dkdv_head(Q, DOut, Lse, Delta, Mask, b, h, H, Lq, stride_q_b, stride_q_h, s
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=["lq_bucket", "lk_bucket", *_BAND_KEYS, "USE_TMA"],
-                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="dkdv")})
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="dkdv")},
+                 do_bench=tuning.do_bench)
 @triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, Mask,
@@ -1274,7 +1276,8 @@ def _store_zero_columns(dmask_base, offs_m, n_begin, n_end, Lq, Lk, BLOCK_M: tl.
 
 @triton.autotune(configs=_DQ_CONFIGS,
                  key=["lq_bucket", "lk_bucket", *_BAND_KEYS, "NEED_DMASK", "USE_TMA"],
-                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="dq")})
+                 prune_configs_by={"early_config_prune": functools.partial(_prune, kernel="dq")},
+                 do_bench=tuning.do_bench)
 @triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DMask, Mask,

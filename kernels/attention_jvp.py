@@ -119,7 +119,8 @@ def _jvp_tile(acc_o, acc_t, m_i, l_i, ls_i, q, tq, k_base, tk_base, v_base, tv_b
 @triton.autotune(configs=_JVP_CONFIGS,
                  key=["lq_bucket", "lk_bucket", "HEAD_DIM", "HEAD_DIM_V", "HAS_MASK", "HAS_TQ",
                       "HAS_TK", "HAS_TV", "HAS_TMASK", "LO_BOUNDED", "HI_BOUNDED", "HAS_DROPOUT"],
-                 prune_configs_by={"early_config_prune": _prune_jvp})
+                 prune_configs_by={"early_config_prune": _prune_jvp},
+                 do_bench=tuning.do_bench)
 @triton.jit(do_not_specialize=["lq_bucket", "lk_bucket", "seed", "threshold"])
 def _attn_jvp_kernel(
     Q, K, V, TQ, TK, TV, Mask, TMask, TOut, TLse,

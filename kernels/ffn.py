@@ -191,7 +191,8 @@ def _store_column_partials(Partial, vals, tile_mask, pid_m, rn, n_ok, n_groups,
 @triton.autotune(configs=_CONFIGS,
                  key=["m_bucket", "n_bucket", "k_bucket", "HAS_BIAS", "ACTIVATION", "GATED",
                       "ACT_GRAD", "COLSUM"],
-                 prune_configs_by={"early_config_prune": _prune_configs})
+                 prune_configs_by={"early_config_prune": _prune_configs},
+                 do_bench=tuning.do_bench)
 @triton.jit(do_not_specialize=["m_bucket", "n_bucket", "k_bucket"])
 def _matmul_kernel(
     A, B, C, Bias, Pre, Act, Partial,

@@ -43,6 +43,17 @@ def limit(configs):
     return list(configs) if AUTOTUNE else list(configs)[:1]
 
 
+def do_bench(kernel_call, quantiles):
+    """The autotuners' timer (``triton.autotune(do_bench=...)``): Triton's own, or with autotuning
+    off none at all. Triton's autotuner times its pruned configs even when one is left, ~125 ms
+    of launches (thousands for a small shape) at every new key: on a GPU, a test of a new shape
+    spent more time there than in its own launches. With one config there is nothing to choose."""
+    if not AUTOTUNE:
+        return [0.0] * len(quantiles)
+    from triton.runtime import driver
+    return driver.active.get_benchmarker()(kernel_call, quantiles=quantiles)
+
+
 def cdiv(a, b):
     """``ceil(a / b)`` on the host: what ``triton.cdiv`` computes, without its cost there
     (since Triton 3.4 it is a constexpr function, ~2 us a call from Python; a launcher makes

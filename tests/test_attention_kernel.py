@@ -499,6 +499,21 @@ def test_autotune_keys_bucket_lengths():
     assert "M" not in ffn._matmul_kernel.keys and "m_bucket" in ffn._matmul_kernel.keys
 
 
+def test_untuned_kernels_are_not_timed(monkeypatch):
+    """With autotuning off (FASTATTN_AUTOTUNE=0, the test suite) the one config left is launched,
+    not timed first: Triton's autotuner times even a single config, ~125 ms of launches at every
+    new shape (on a GPU, more than the test's own work). Every autotuned kernel takes the timer."""
+    from fastattn.kernels import attention_jvp, ffn, tuning
+
+    for kernel in (attn._attn_fwd_kernel, attn._attn_bwd_dkdv_kernel, attn._attn_bwd_dq_kernel,
+                   attention_jvp._attn_jvp_kernel, ffn._matmul_kernel):
+        assert kernel._do_bench is tuning.do_bench
+    calls = []
+    monkeypatch.setattr(tuning, "AUTOTUNE", False)
+    assert tuning.do_bench(lambda: calls.append(1), quantiles=(0.5, 0.2, 0.8)) == [0.0] * 3
+    assert calls == []
+
+
 def test_warp_specialization_is_off_unless_asked_for(monkeypatch):
     """FASTATTN_TRITON_WS: 0 (the default since the first GPU run) keeps warp-specialized configs
     out of autotuning, 1 lets them in where the GPU and Triton allow; anything else is refused."""
