@@ -540,16 +540,19 @@ def test_warp_specialized_loop(monkeypatch, request, d, tile):
     and newer) gives the reference result, in each warp-specialized config the kernel lists; under
     the interpreter the keyword is accepted and the loop runs as is (one case). On the H100
     (2026-11-26, Triton 3.6) every case here was wrong, out errors 0.42-0.63 against a bound of
-    0.03, while every plain config was right: an expected failure on a GPU, strict, so that the
-    run where the loop comes right says so (and FASTATTN_TRITON_WS's warning can go)."""
+    0.03, while every plain config was right. On the next H100 run (2026-11-27) the 128x128 D128
+    case came right, alone of the four: the loop is wrong some runs and right others, as a race
+    would be, so one pass proves nothing. An expected failure on a GPU, not strict; it goes when
+    every case passes on several runs (and FASTATTN_TRITON_WS's warning with it)."""
     if not (descriptors.HAS_DESCRIPTORS and descriptors.HAS_WARP_SPECIALIZE):
         pytest.skip(f"Triton {triton.__version__} lacks descriptors or warp specialization")
     if DEVICE == "cuda" and not descriptors.hopper_or_newer():
         pytest.skip("warp specialization is only tried on Hopper and newer")
     if DEVICE == "cuda":
         request.applymarker(pytest.mark.xfail(
-            strict=True, raises=AssertionError,
-            reason="the warp-specialized loop computes wrong outputs on Hopper (H100, 2026-11-26)"))
+            strict=False, raises=AssertionError,
+            reason="the warp-specialized loop computes wrong outputs on Hopper, on some runs "
+                   "(H100, 2026-11-26: all four cases; 2026-11-27: three)"))
     if DEVICE == "cpu" and (d, tile) != (64, (128, 64, 4, 3)):
         pytest.skip("the interpreter runs the plain loop: one case shows the keyword is taken")
     monkeypatch.setattr(descriptors, "TMA", "1")
