@@ -340,7 +340,7 @@ def test_bad_input_errors(backend, device):
 
 @pytest.mark.parametrize("backend,device", [p for p in BACKENDS if p.id in ("triton", "cuda")])
 def test_head_dim_limit(backend, device):
-    q = torch.randn(1, 1, 2, 264, device=device)
+    q = torch.randn(1, 1, 2, 264, device=device, dtype=dtype_for("attention", backend, device))
     with pytest.raises(ValueError, match="256"):
         fastattn.attention(q, q, q, backend=backend)
 
