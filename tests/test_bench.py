@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -351,6 +352,23 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     assert slow.summary()[0] / fast.summary()[0] == 10.0
     assert bench.paired_ratio(fast, bench.Samples({9: 1.0})) is None
     assert bench.paired_ratio(None, fast) is None
+
+
+def test_speedups_are_taken_against_the_peer_fastest_in_paired_terms():
+    """The peer of speedup_vs_torch is the fastest as the speedups judge it (paired ratios), so
+    no peer reads a speedup over 1 against it: here "a" has the lower median (rounds 3-6 hit
+    only "b", which ran longer), yet "b" is faster in every round both ran (CI, 2026-11-27:
+    1.0146 against the lower median)."""
+    a = bench.Samples({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0})
+    b = bench.Samples({0: 0.9, 1: 0.9, 2: 0.9, 3: 3.0, 4: 3.0, 5: 3.0, 6: 3.0})
+    rows = [SimpleNamespace(provider=name, ms=samples.summary()[0])
+            for name, samples in (("torch:a", a), ("torch:b", b))]
+    assert rows[0].ms < rows[1].ms
+    best = bench._fastest_peer(rows, {"torch:a": a, "torch:b": b})
+    assert best.provider == "torch:b"
+    assert max(bench.paired_ratio(b, s) for s in (a, b)) == 1.0
+    assert bench._fastest_peer(rows, {}).provider == "torch:a"  # (a GPU: medians alone)
+    assert bench._fastest_peer([], {}) is None
 
 
 _FAULTS = """

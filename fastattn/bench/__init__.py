@@ -167,6 +167,17 @@ def paired_ratio(num: Samples | None, den: Samples | None) -> float | None:
     return statistics.median(num.by_round[k] / den.by_round[k] for k in common) if common else None
 
 
+def _fastest_peer(peers: list, samples: dict) -> Any:
+    """The peer the others' speedups are taken against: the fastest, judged as the speedups are
+    (paired ratios where there are samples): the one that no other beats by more. By median
+    times instead, another peer could read a speedup over 1 against it (1.0146, CI 2026-11-27:
+    two SDPA entries that ran the same kernel)."""
+    def worst(p):
+        ratios = [paired_ratio(samples.get(p.provider), samples.get(r.provider)) for r in peers]
+        return max((x for x in ratios if x is not None), default=0.0)
+    return min(peers, key=lambda p: (worst(p), p.ms), default=None)
+
+
 def sample_interleaved(calls: Sequence[Callable[[], Any]], budget_s: float) -> list:
     """CPU timing of several calls side by side: rounds that run each call once, so that
     whatever the machine does meanwhile (another process, a thread pool still spinning after the
@@ -500,8 +511,7 @@ def run_case(
     # Speedups: on a CPU the median of the per-round ratios (paired_ratio; every provider ran in
     # the same rounds), on a GPU (do_bench per provider) the ratio of the medians.
     naive = next((r for r in rows if r.provider == NAIVE and r.ms), None)
-    peer = min((r for r in rows if r.provider.startswith(TORCH_PREFIX) and r.ms),
-               key=lambda r: r.ms, default=None)
+    peer = _fastest_peer([r for r in rows if r.provider.startswith(TORCH_PREFIX) and r.ms], samples)
     for r in rows:
         for base, field in ((naive, "speedup_vs_naive"), (peer, "speedup_vs_torch")):
             if r.ms and base is not None:
