@@ -424,8 +424,8 @@ def dry_run(calls: list[str]) -> int:
 def plan() -> None:
     print("One device call per line, in this order (each ends by itself within its budget); a "
           "15-minute lease fits the first two, best as one command, `check rest`, with "
-          "timeout_s 595: no idle gap between them (2026-11-26, session 18: the two in 540 s; "
-          "each session's machine started in under a minute):")
+          "timeout_s 595: no idle gap between them (2026-11-27, session 20: the two in 417 s, "
+          "then rest-ops at once, 365 s; each session's machine started in under a minute):")
     for i, call in enumerate([c for c in CALLS if c not in RERUNS], 1):
         print(f"  {i}. python bench/gpu_protocol.py {call:9} ~{budget(call) // 60 + 1} min at most")
     print("To rerun a part of check: " + ", ".join(
