@@ -584,17 +584,26 @@ def _poison_rows(g, k, v):
                 t[..., j, d] = value
 
 
+def _drawn(name, seed, float64_as):
+    """test_combinations' case ``seed`` of ``_draw_<name>``, with the module and the generator of
+    its values; float64 (which the triton backend refuses) as ``float64_as``, or no generator."""
+    import torch
+    T = _combinations()
+    c = getattr(T, f"_draw_{name}")(seed)
+    if c["dtype"] == torch.float64:
+        if float64_as is None:
+            return T, c, None
+        c["dtype"] = float64_as
+    return T, c, torch.Generator().manual_seed(seed)
+
+
 def run_varlen(seed, path="gpu", careful=False, float64_as=None):
     import torch
     import fastattn
 
-    T = _combinations()
-    c = T._draw_varlen(seed)
-    if c["dtype"] == torch.float64:
-        if float64_as is None:
-            return c, None, "skipped (float64: the triton backend refuses it)"
-        c["dtype"] = float64_as
-    g = torch.Generator().manual_seed(seed)
+    T, c, g = _drawn("varlen", seed, float64_as)
+    if g is None:
+        return c, None, "skipped (float64: the triton backend refuses it)"
     cu_q, cu_k = (torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32)
                   for lens in (c["lq"], c["lk"]))
     q = T._tensor(g, (sum(c["lq"]), c["H"], c["D"]), "cpu", c["dtype"]).requires_grad_()
@@ -615,13 +624,9 @@ def run_paged(seed, path="gpu", careful=False, float64_as=None):
     import torch
     import fastattn
 
-    T = _combinations()
-    c = T._draw_paged(seed)
-    if c["dtype"] == torch.float64:
-        if float64_as is None:
-            return c, None, "skipped (float64: the triton backend refuses it)"
-        c["dtype"] = float64_as
-    g = torch.Generator().manual_seed(seed)
+    T, c, g = _drawn("paged", seed, float64_as)
+    if g is None:
+        return c, None, "skipped (float64: the triton backend refuses it)"
     B, bs = len(c["lens"]), c["block_size"]
     per_row = max(math.ceil(n / bs) for n in c["lens"]) + c["spare_blocks"]
     blocks = B * per_row + 3
