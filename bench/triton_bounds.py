@@ -66,8 +66,9 @@ if __name__ == "__main__":  # before triton is imported
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from fastattn.aot.triton import H100, planning_for  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-H100 = {"capability": (9, 0), "sms": 132}
 
 # ---------------------------------------------------------------------------------------------
 # The checker
@@ -344,19 +345,6 @@ def h100_attention_module():
     return module
 
 
-@contextlib.contextmanager
-def planning_for_h100():
-    """Launch plans for an H100 (kernels.tuning.TARGET, autotuning on: every kept config)."""
-    from fastattn.kernels import tuning
-
-    saved = tuning.TARGET, tuning.AUTOTUNE
-    tuning.TARGET, tuning.AUTOTUNE = H100, True
-    try:
-        yield
-    finally:
-        tuning.TARGET, tuning.AUTOTUNE = saved
-
-
 _KINDS = {"_attn_fwd_kernel": ("fwd", "_FWD_CONFIGS"),
           "_attn_bwd_dkdv_kernel": ("dkdv", "_DKDV_CONFIGS"),
           "_attn_bwd_dq_kernel": ("dq", "_DQ_CONFIGS")}
@@ -367,7 +355,7 @@ def h100_configs(kernel_name, nargs, kwargs):
     (the first is what runs with FASTATTN_AUTOTUNE=0)."""
     view = h100_attention_module()
     kind, configs = _KINDS[kernel_name]
-    with planning_for_h100():
+    with planning_for(H100, True, warp_specialize=False):
         return view._prune(getattr(view, configs), nargs, kernel=kind, **kwargs)
 
 
@@ -476,7 +464,7 @@ def gpu_launch_plans(path="gpu"):
     varlen._INTERPRET = False
     descriptors.use_tma = use_tma
     try:
-        with planning_for_h100():
+        with planning_for(H100, True, warp_specialize=False):
             yield
     finally:
         attention_launch._PRE_BLOCK_M, varlen._INTERPRET, descriptors.use_tma = saved

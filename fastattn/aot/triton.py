@@ -302,13 +302,15 @@ def _recording(into, case, path):
 
 
 @contextlib.contextmanager
-def _planning_for(target, autotune):
-    """Launch plans made for ``target`` without a GPU, autotuning on or off; warp-specialized
-    configs kept where FASTATTN_TRITON_WS=1 would keep them (off by default, and known wrong on
-    Hopper, kernels/descriptors.py; compiled here, without its warning, for work on them)."""
+def planning_for(target, autotune, warp_specialize=True):
+    """Launch plans made for ``target`` without a GPU, autotuning on or off; with
+    ``warp_specialize``, warp-specialized configs kept where FASTATTN_TRITON_WS=1 would keep them
+    (off by default, and known wrong on Hopper, kernels/descriptors.py; compiled here, without
+    its warning, for work on them), else as the default leaves them out."""
     from fastattn.kernels import descriptors, tuning
     saved = tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE
-    tuning.TARGET, tuning.AUTOTUNE, descriptors.WARP_SPECIALIZE = target, autotune, "1"
+    tuning.TARGET, tuning.AUTOTUNE = target, autotune
+    descriptors.WARP_SPECIALIZE = "1" if warp_specialize else "0"
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "FASTATTN_TRITON_WS=1", RuntimeWarning)
@@ -327,7 +329,7 @@ def capture(selected, *, all_configs=True, target=H100):
 
     launches = []
     tuned = set()
-    with _planning_for(target, True):
+    with planning_for(target, True):
         for case in selected:
             if case.tune:
                 tuned.add(f"{case.op}: {case.name}")
