@@ -460,3 +460,12 @@ def opcheck(
             for a in args
         )
     return torch.library.opcheck(op, tuple(args), kwargs, test_utils=test_utils, raise_exception=raise_exception)
+
+
+def symbolic_int(shape_env, value: int, name: str):
+    """A SymInt of ``shape_env`` with hint ``value``, as torch.compile's dynamic shapes hand a
+    launcher its sizes (``name`` distinguishes the symbols); for testing launch plans on them."""
+    from torch._dynamo.source import ConstantSource
+
+    symbol = shape_env.create_symbol(value, ConstantSource(name))
+    return shape_env.create_symintnode(symbol, hint=value)

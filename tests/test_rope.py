@@ -404,11 +404,11 @@ def test_rotary_cos_sin_matches_reference_at_long_positions():
 
 _SYMBOLIC_PLAN = """
 import time, torch
-from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from fastattn.kernels import rope, tuning
 from fastattn.ops.rope import rotary_cos_sin
+from fastattn.testing import symbolic_int
 
 tuning.TARGET = {"capability": (9, 0), "sms": 132}
 env = ShapeEnv()
@@ -423,8 +423,7 @@ assert time.perf_counter() - start < 20, time.perf_counter() - start
 assert [int(s) for s in y.shape] == [2, 3, 5, 8]
 assert all(len(str(guard.expr)) < 200 for guard in env.guards), env.guards
 for n in (0, 1, 2, 3, 5, 8, 9, 100):
-    sym = env.create_symintnode(env.create_symbol(n, ConstantSource(f"n{n}")), hint=n)
-    assert tuning.next_power_of_2(sym) == tuning.next_power_of_2(n) == (
+    assert tuning.next_power_of_2(symbolic_int(env, n, f"n{n}")) == tuning.next_power_of_2(n) == (
         0 if n == 0 else 1 << (n - 1).bit_length())
 print("ok")
 """

@@ -292,16 +292,15 @@ def test_tiles_take_symbolic_head_dims(monkeypatch):
     SymInt head dims: the GPU's tile table must take them as it takes ints (an H100, 2026-11-27:
     float32's table was indexed by a SymBool). The interpreter's branch never reads them."""
     pytest.importorskip("triton")
-    from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from fastattn.kernels import varlen
+    from fastattn.testing import symbolic_int
 
     monkeypatch.setattr(varlen, "_INTERPRET", False)
     env = ShapeEnv()
     for i, (d, dv) in enumerate([(64, 64), (80, 16), (200, 256)]):
-        sym_d, sym_dv = (env.create_symintnode(env.create_symbol(n, ConstantSource(f"{name}{i}")),
-                                               hint=n) for n, name in ((d, "d"), (dv, "dv")))
+        sym_d, sym_dv = symbolic_int(env, d, f"d{i}"), symbolic_int(env, dv, f"dv{i}")
         for dtype in (torch.float32, torch.bfloat16):
             for kernel in ("fwd", "paged", "dkdv", "dq"):
                 assert varlen._tiles(sym_d, sym_dv, dtype, kernel) == varlen._tiles(d, dv, dtype, kernel)
