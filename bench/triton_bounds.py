@@ -380,13 +380,14 @@ class ConfigRun:
 
 
 @contextlib.contextmanager
-def every_h100_config(record, only_first=False, repeats=1, kernels=None, sync=True):
+def every_h100_config(record, only_first=False, repeats=1, kernels=None, sync=True, pick=None):
     """The dense attention kernels (forward, dK/dV, dQ; ``kernels``: only those named) run, at
     each launch, every config the H100 pruner keeps, one after the other on the same arguments
     (the last one's outputs stay); each run is appended to ``record`` (:class:`ConfigRun`).
     ``repeats``: launches per config, on a GPU synchronized one by one (``sync``; else back to
     back, as an autotuner's benchmark runs them, and once at the end); the first failing one is
-    recorded, then raised."""
+    recorded, then raised. ``pick`` (e.g. "64x64 w4s3"): instead, the kernel's configs whose
+    text starts with it, kept by the pruner or not."""
     import torch
     from fastattn.kernels import attention, tuning
 
@@ -396,6 +397,10 @@ def every_h100_config(record, only_first=False, repeats=1, kernels=None, sync=Tr
         def run(*args, **kwargs):
             nargs = dict(zip(tuner.arg_names, args))
             configs = h100_configs(name, nargs, kwargs)
+            if pick:
+                view = h100_attention_module()
+                configs = [c for c in getattr(view, _KINDS[name][1])
+                           if tuning.config_text(c).startswith(pick)]
             if only_first:
                 configs = configs[:1]
             outs = [nargs[o] for o in _OUTPUTS[name] if o in nargs]
@@ -534,7 +539,8 @@ def attention_case(seed, dtype=None, device="cpu"):
 
 
 def run_attention(seed, path="gpu", only_first=False, dtype=None, careful=False, device="cpu",
-                  repeats=1, forward_only=False, record=None, sync=True, nonfinite=False):
+                  repeats=1, forward_only=False, record=None, sync=True, nonfinite=False,
+                  pick=None):
     """Forward and backward of case ``seed`` under the checker, every H100 config (careful:
     every block also on the careful path, :func:`forcing_careful`). On a GPU (``device``
     "cuda", TRITON_INTERPRET=0) the checker sees nothing; ``repeats`` launches each config
@@ -548,7 +554,7 @@ def run_attention(seed, path="gpu", only_first=False, dtype=None, careful=False,
         _poison_rows(g, k, v)
     kernels = ("_attn_fwd_kernel",) if forward_only else None
     with BoundsChecker() as check, gpu_launch_plans(path), \
-            every_h100_config(record, only_first, repeats, kernels, sync), \
+            every_h100_config(record, only_first, repeats, kernels, sync, pick), \
             forcing_careful(careful):
         out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend="triton", **options)
         if not forward_only:
@@ -651,6 +657,11 @@ def main(argv=None):
     parser.add_argument("--no-sync", action="store_true",
                         help="with --repeat on a GPU: launch back to back, synchronize at the end")
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--config", help='only configs whose text starts with this (e.g. '
+                        '"64x64 w4s3"), whether the pruner keeps them or not')
+    parser.add_argument("--unaligned-mask", action="store_true",
+                        help="give the kernels the caller's mask as it is, not a copy with "
+                             "16-element aligned rows (kernels.attention_launch.ALIGN_MASK)")
     parser.add_argument("--nonfinite", action="store_true",
                         help="NaN and inf in some key and value rows (the careful path's "
                              "rank-1 terms)")
@@ -658,6 +669,9 @@ def main(argv=None):
                         help="dtype to run the float64 cases in (the triton backend refuses "
                              "float64; 'skip' to skip them)")
     args = parser.parse_args(argv)
+    if args.unaligned_mask:
+        from fastattn.kernels import attention_launch
+        attention_launch.ALIGN_MASK = False
     seeds = []
     for part in args.seeds.split(","):
         lo, _, hi = part.partition("-")
@@ -694,7 +708,8 @@ def main(argv=None):
                         c, check, record = run_attention(seed, path, args.first_only, dtype,
                                                          args.careful, args.device, args.repeat,
                                                          args.forward_only, record,
-                                                         not args.no_sync, args.nonfinite)
+                                                         not args.no_sync, args.nonfinite,
+                                                         args.config)
                     except Exception as exc:  # noqa: BLE001 - reported with the configs run
                         failure = exc
                     print(f"attention seed {seed} [{path}]{note}: {_short(c)}  "

@@ -167,6 +167,9 @@ _FWD_CONFIGS = _configs(
         (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
         (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 3),
         (16, 64, 4, 3), (16, 128, 4, 3), (32, 32, 4, 1), (16, 32, 4, 1),
+        # decoding at head dims that are not multiples of 16 (_ragged; the 4-warp 16-row tiles
+        # spill there), last so that no other launch's first config changes
+        (16, 64, 8, 3),
     ],
     (16, 16, 4, 1), WARP_SPECIALIZE=False,
 ) + (_configs([(128, 64, 4, 3), (128, 128, 4, 2)], None, WARP_SPECIALIZE=True)
@@ -281,10 +284,24 @@ def _spills(kernel, config, args):
     float_mask = args["HAS_MASK"] and not args.get("MASK_BOOL", True) and not args["USE_TMA"]
     fp32_mask_dropout = (args["HAS_DROPOUT"] and _mask_bytes(args) == 4
                          and args["Q"].element_size() == 2)
+    ragged, wide_d = _ragged(args), args["BLOCK_D"] >= 128
     return (
+        # Head dims that are not multiples of 16 (_ragged), measured at D40 and D100 (and D100
+        # with Dv 1, a bool mask and a window; 2026-11-27): the forward's 4-warp 16-row tiles
+        # (16x64 8-20 B at BLOCK_D 128, 16x128 24-1288 B; their 8-warp 16x64 is clean at both)
+        # and 64x128 w4 (40 B), 64x64 w4 at BLOCK_D 128 (12-16 B); dK/dV 64-row tiles at
+        # BLOCK_D 128 (8-156 B); dQ 64x64 w8s3 (140 B), 32x64 w4 and 16x64 w4 (4-16 B) there.
+        # Where head dims are multiples of 16 the 8-warp 16x64 forward is the one that spills
+        # (D64 decoding: 12/24 B at 80 registers).
+        (kernel == "fwd" and bm == 16 and (warps == 8) != ragged)
+        or (ragged and kernel == "fwd" and warps == 4
+            and ((bm, bn) == (64, 128) or (wide_d and (bm, bn) == (64, 64))))
+        or (ragged and wide_d and kernel == "dkdv" and bm == 64)
+        or (ragged and wide_d and kernel == "dq"
+            and (bm, bn, warps) in ((64, 64, 8), (32, 64, 4), (16, 64, 4)))
         # dQ 32x64 w4 on the descriptor path: spills inside its loop at every head dim (D64 at
         # ptxas's 168 tier, 16/24 B; D80/D128 at 255, 8/12 B; D256 1.5 KB)
-        (kernel == "dq" and args["USE_TMA"] and (bm, bn, warps) == (32, 64, 4))
+        or (kernel == "dq" and args["USE_TMA"] and (bm, bn, warps) == (32, 64, 4))
         # dK/dV 32x32 and 32x16 w8 (8 warps on a tiny tile): ptxas holds them to 128
         # registers (2 blocks of 8 warps; its next tier, 255, halves the blocks per SM) and the
         # careful branch does not fit there: at BLOCK_D 128 (32x32: 16-44 B, 32x16: 36/44 B on
@@ -308,11 +325,22 @@ def _spills(kernel, config, args):
         or (kernel == "fwd" and float_mask and warps == 4
             and (bm, bn, args["BLOCK_D"]) in ((32, 64, 64), (64, 64, 128)))
         # a float32 mask with 16-bit inputs and dropout, L1k (2026-11-26): forward D64 16x128
-        # w4 (168 registers, 4/4 B); dK/dV D64 32x16 w8 (128, 4/8 B), D128 64x32 w8 (255,
-        # 20/20 B)
+        # w4 (168 registers, 4/4 B); dK/dV D64 32x16 w8 (128, 4/8 B)
         or (fp32_mask_dropout
             and (kernel, bm, bn, warps, args["BLOCK_D"]) in (
-                ("fwd", 16, 128, 4, 64), ("dkdv", 32, 16, 8, 64), ("dkdv", 64, 32, 8, 128)))
+                ("fwd", 16, 128, 4, 64), ("dkdv", 32, 16, 8, 64)))
+        # a mask tensor (pointer path) with a causal band or a window (2026-11-27, the gate's
+        # "causal bool mask" and "L33x40 window bool mask" cases): dK/dV D128 64x32 w8s3
+        # (255 registers, 20-32 B; with a float32 mask and dropout 20 B); with both band sides
+        # bounded, the forward's 16-row tiles at ptxas's 168 tier, 16x128 at D64 (20 B) and
+        # 16x64 at D128 (12 B), and dQ 16x64 w4 at D128 (8/16 B); dQ 16x32 w4s2 at D64, causal
+        # (96 registers, 16/28 B)
+        or (args["HAS_MASK"] and not args["USE_TMA"]
+            and ((kernel, bm, bn, warps, args["BLOCK_D"]) in (
+                ("dkdv", 64, 32, 8, 128), ("dq", 16, 32, 4, 64))
+                 or (args.get("LO_BOUNDED") and args.get("HI_BOUNDED") and warps == 4
+                     and (kernel, bm, bn, args["BLOCK_D"]) in (
+                         ("fwd", 16, 128, 64), ("fwd", 16, 64, 128), ("dq", 16, 64, 128)))))
     )
 
 
@@ -368,6 +396,14 @@ def _maxnreg(kernel, bm, bn, block_d, block_dv, elem_bytes, stages, warps, live)
     if regs <= 128 or (regs < 255 and live > 64):
         return None
     return regs
+
+
+def _ragged(args):
+    """Whether a head dim of the launch is not a multiple of 16 (40, 100, ...): then neither are
+    the row strides of q, k or v, their tiles are loaded element by element into registers
+    (no cp.async), and a register limit below 255 spilled KBs."""
+    return bool(args.get("HEAD_DIM", args["BLOCK_D"]) % 16
+                or args.get("HEAD_DIM_V", args["BLOCK_DV"]) % 16)
 
 
 def _with_maxnreg(config, maxnreg):
@@ -434,7 +470,7 @@ def _prune(configs, named_args, kernel, **kwargs):
     kept = [c for c in plain
             if c.kwargs["BLOCK_M"] <= rows and fits_shared(c) and (wide or c.num_stages > 1)
             and (fits(c) or _measured_clean(kernel, c, args)) and not _spills(kernel, c, args)]
-    if not _INTERPRET:  # (WS configs: Triton sizes their warp groups' registers itself)
+    if not _INTERPRET and not _ragged(args):  # (WS configs: Triton sizes their registers)
         kept = [_with_maxnreg(c, n) if (n := _maxnreg(
             kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], args["BLOCK_D"], args["BLOCK_DV"],
             elem_bytes, c.num_stages, c.num_warps, live(c))) else c for c in kept]

@@ -58,12 +58,45 @@ def _band(Lq, Lk, offset, left, right):
     return lo, hi, lo > 1 - Lq, hi < Lk - 1
 
 
+#: Whether :func:`_mask_args` gives the kernels a mask whose rows start on 16-element boundaries
+#: (a copy where the caller's do not). Off only to study the unaligned loads
+#: (bench/triton_bounds.py --unaligned-mask).
+ALIGN_MASK = True
+
+
+def _aligned_mask(mask):
+    """``mask``, or a copy of it whose data pointer is 16-byte aligned and whose strides but the
+    last are multiples of 16 elements: rows padded to a multiple of 16 elements, broadcast
+    dimensions left broadcast (only the distinct elements are copied).
+
+    Triton specializes an integer argument on its divisibility by 16, and only then can it load a
+    mask tile in 16-byte vectors (cp.async, pipelined through shared memory). A mask whose row
+    stride is the key length is not aligned for most lengths (a (B, 1, Lq, Lk) padding mask at
+    Lk = 40): each element is then a load of its own with a 64-bit address, and on sm_90
+    (Triton 3.6, fastattn.aot) the forward spilled 0.7-1.3 KB at 255 registers (bf16 D128
+    64x64 w4s3, 1284/2428 B; the same launch at Lk = 48: none); the backward kernels 4-84 B.
+    PyTorch pads the bias of its memory-efficient kernel the same way. Not while torch.compile
+    traces (sizes and pointers are symbolic there)."""
+    strides = mask.stride()
+    if (not ALIGN_MASK or torch.compiler.is_compiling() or descriptors.is_fake(mask)
+            or (mask.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in strides[:-1]))):
+        return mask
+    distinct = mask[tuple(slice(None) if s else slice(0, 1) for s in strides)]
+    width = tuning.cdiv(mask.shape[-1], 16) * 16
+    padded = torch.empty((*distinct.shape[:-1], width), dtype=mask.dtype, device=mask.device)
+    padded = padded[..., :mask.shape[-1]]
+    padded.copy_(distinct)
+    return padded.expand(mask.shape)
+
+
 def _mask_args(mask, q):
-    """(tensor, its 4 strides, HAS_MASK, MASK_BOOL); q stands in as an unused pointer."""
+    """(tensor, its 4 strides, HAS_MASK, MASK_BOOL); q stands in as an unused pointer. The
+    tensor is :func:`_aligned_mask`'s."""
     if mask is None:
         return q, (0, 0, 0, 0), False, False
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
+    mask = _aligned_mask(mask)
     return mask, mask.stride(), True, mask.dtype == torch.uint8
 
 

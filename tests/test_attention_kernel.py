@@ -410,7 +410,33 @@ def test_pruner_drops_configs_that_spill(kernel, dtype, d, dropped, first, tuned
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept] == [first]
 
 
-def test_pruner_register_rules_for_sm90(tuned):
+def test_mask_rows_start_on_16_element_boundaries():
+    """The kernels get a mask whose strides (but the last) are multiples of 16 elements from a
+    16-byte aligned pointer, so that Triton may load its tiles in vectors: the caller's where it
+    is so, else a copy with padded rows that keeps broadcast dimensions broadcast."""
+    def aligned(t):
+        return t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:-1])
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.empty(0)
+    for shape, view in (((2, 1, 33, 40), (2, 3, 33, 40)),     # key length 40
+                        ((2, 1, 1, 37), (2, 3, 17, 37)),      # a key padding mask
+                        ((1, 3, 5, 7), (1, 3, 5, 7))):
+        for dtype in (torch.bool, torch.float32):
+            m = (torch.rand(shape, generator=g) > 0.5).to(dtype).expand(view)
+            t, strides, has_mask, is_bool = attention_launch._mask_args(m, q)
+            assert has_mask and is_bool == (dtype == torch.bool) and strides == t.stride()
+            assert aligned(t) and not aligned(m)
+            assert torch.equal(t.view(dtype) if dtype == torch.bool else t, m)
+            assert [s == 0 for s in t.stride()] == [s == 0 for s in m.stride()]
+    m = torch.ones(2, 3, 8, 64, dtype=torch.bool)
+    assert attention_launch._mask_args(m, q)[0].data_ptr() == m.data_ptr()  # no copy
+    shifted = m[..., 1:17]  # rows of 16 at an odd address
+    t = attention_launch._mask_args(shifted, q)[0]
+    assert aligned(t) and torch.equal(t.view(torch.bool), shifted)
+
+
+def test_pruner_register_rules_for_sm90(monkeypatch, tuned):
     """The register rules fastattn.aot measured (bench/aot/README.md, issue 12): tiles under 64
     rows on the descriptor path count their K/V tiles, configs measured to spill are dropped,
     and maxnreg keeps the blocks per SM that shared memory allows."""
@@ -443,6 +469,27 @@ def test_pruner_register_rules_for_sm90(tuned):
     assert attn._maxnreg("fwd", 64, 128, 64, 64, 2, 3, 4, live=60) == 168
     # decoding at head dims > 128: 16-row forward tiles get 255 (fp16 16x32 w4s1 spilled at 168)
     assert attn._maxnreg("fwd", 16, 32, 256, 256, 2, 1, 4, live=52) == 255
+    # head dims that are not multiples of 16 (loaded element by element): no register limit,
+    # 8-warp 16-row forward tiles instead of 4-warp ones (the other way round elsewhere), no
+    # 64-row dK/dV tiles at BLOCK_D 128
+    decoding = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 8, 3)]
+    assert prune("fwd", decoding, lq_bucket=1) == [(16, 64, 4), (16, 128, 4)]
+    assert prune("fwd", decoding, lq_bucket=1, HEAD_DIM=100, HEAD_DIM_V=100) == [(16, 64, 8)]
+    assert prune("fwd", decoding, lq_bucket=1, HEAD_DIM=128, HEAD_DIM_V=1) == [(16, 64, 8)]
+    assert prune("dkdv", [(64, 32, 8, 3), (32, 64, 8, 3)], HEAD_DIM=100) == [(32, 64, 8)]
+    gpu = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "WARP_SPECIALIZE": False}, num_warps=4,
+                         num_stages=3)]
+    args = dict(BLOCK_D=128, BLOCK_DV=128, USE_TMA=False, HAS_MASK=False, HAS_DROPOUT=False,
+                Q=torch.empty(0, dtype=torch.bfloat16), lq_bucket=4096)
+    monkeypatch.setattr(attn, "_INTERPRET", False)  # (register limits are for GPUs only)
+    assert attn._prune(gpu, {}, kernel="fwd", HEAD_DIM=128, HEAD_DIM_V=128, **args)[0].maxnreg
+    assert attn._prune(gpu, {}, kernel="fwd", HEAD_DIM=100, HEAD_DIM_V=100, **args)[0].maxnreg \
+        is None
+    # a mask tensor with both band sides bounded: the forward's 16x64 w4 at D128 spills
+    masked = dict(HAS_MASK=True, MASK_BOOL=True, Mask=torch.empty(0, dtype=torch.uint8))
+    assert prune("fwd", decoding[:2], lq_bucket=1, **masked) == [(16, 64, 4), (16, 128, 4)]
+    assert prune("fwd", decoding[:2], lq_bucket=1, LO_BOUNDED=True, HI_BOUNDED=True,
+                 **masked) == [(16, 128, 4)]
 
 
 def test_float32_configs_for_sm90(monkeypatch):

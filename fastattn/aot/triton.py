@@ -82,10 +82,14 @@ def _attention_cases():
     from fastattn.kernels import attention_launch as AL
 
     def attn(d, dtype, L=4096, Lk=None, causal=False, mask=None, dropout=0.0, backward=True,
-             dmask=False, window=None, mask_dtype=None):
+             dmask=False, window=None, mask_dtype=None, dv=None, blhd=False):
         Lk = L if Lk is None else Lk
-        q = _t(1, 2, L, d, dtype=dtype)
-        k, v = _t(1, 2, Lk, d, dtype=dtype), _t(1, 2, Lk, d, dtype=dtype)
+        dv = d if dv is None else dv
+
+        def x(n, width):  # (B, H, L, D), or a (B, L, H, D) tensor seen as one
+            return _t(1, n, 2, width, dtype=dtype).transpose(1, 2) if blhd else \
+                _t(1, 2, n, width, dtype=dtype)
+        q, k, v = x(L, d), x(Lk, d), x(Lk, dv)
         m = None
         if mask == "bool":
             m = torch.empty(1, 1, L, Lk, dtype=torch.bool).expand(1, 2, L, Lk)
@@ -109,7 +113,26 @@ def _attention_cases():
             J.attention_jvp(q, k, v, None, tq, tk, tv, None, 0.125, 0, L, 0, 0.0, 1)
         return run
 
-    cases = []
+    cases = [
+        # test_attention_combinations[triton-0], the forward that faulted on the H100 on
+        # 2026-11-27: head dims 100 and 1, (B, L, H, D) inputs whose row strides (200, 2) are
+        # not multiples of 16 bytes (pointer path only), a causal window and a bool mask
+        Case("attention", "bf16 D100 Dv1 blhd L33x40 causal window bool mask",
+             attn(100, torch.bfloat16, L=33, Lk=40, causal=True, window=(15, 0), mask="bool",
+                  dv=1, blhd=True), quick=True),
+    ]
+    # Head dims that are not multiples of 16: no row of q, k or v starts on a 16-byte boundary
+    # that Triton can know of (their strides are not multiples of 16), so tiles are loaded
+    # element by element, without cp.async
+    for d in (40, 100):
+        cases += [
+            Case("attention", f"bf16 D{d} L1k causal", attn(d, torch.bfloat16, L=1024,
+                                                             causal=True)),
+            Case("attention", f"bf16 D{d} L1k bool mask",
+                 attn(d, torch.bfloat16, L=1024, mask="bool", backward=False)),
+            Case("attention", f"bf16 D{d} decode 1x4k",
+                 attn(d, torch.bfloat16, L=1, Lk=4096, causal=True, backward=False)),
+        ]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256, 80):
             quick = dtype == torch.bfloat16 and d in (64, 128)
@@ -138,6 +161,17 @@ def _attention_cases():
                          tune=tune),
                     Case("attention", f"{tag} L1k float mask+grad",
                          attn(d, dtype, L=1024, mask="float", dmask=True), tune=tune),
+                    # a mask and a causal band at once: the edge and interior loops both read
+                    # mask tiles; and a short query (a 64-row tile's first choice, where L1k
+                    # takes 128 rows)
+                    Case("attention", f"{tag} L1k causal bool mask",
+                         attn(d, dtype, L=1024, mask="bool", causal=True), tune=tune),
+                    Case("attention", f"{tag} L1k causal float mask",
+                         attn(d, dtype, L=1024, mask="float", causal=True, backward=False),
+                         tune=tune),
+                    Case("attention", f"{tag} L33x40 window bool mask",
+                         attn(d, dtype, L=33, Lk=40, mask="bool", window=(15, 0)),
+                         tune=tune),
                     Case("attention", f"{tag} L4k dropout", attn(d, dtype, dropout=0.1),
                          tune=tune),
                     # a float32 bias (allowed with 16-bit inputs) and dropout at once: the
