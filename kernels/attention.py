@@ -285,15 +285,17 @@ def _spills(kernel, config, args):
     fp32_mask_dropout = (args["HAS_DROPOUT"] and _mask_bytes(args) == 4
                          and args["Q"].element_size() == 2)
     ragged, wide_d = _ragged(args), args["BLOCK_D"] >= 128
+    wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
     return (
-        # Head dims that are not multiples of 16 (_ragged), measured at D40 and D100 (and D100
-        # with Dv 1, a bool mask and a window; 2026-11-27): the forward's 4-warp 16-row tiles
-        # (16x64 8-20 B at BLOCK_D 128, 16x128 24-1288 B; their 8-warp 16x64 is clean at both)
-        # and 64x128 w4 (40 B), 64x64 w4 at BLOCK_D 128 (12-16 B); dK/dV 64-row tiles at
-        # BLOCK_D 128 (8-156 B); dQ 64x64 w8s3 (140 B), 32x64 w4 and 16x64 w4 (4-16 B) there.
-        # Where head dims are multiples of 16 the 8-warp 16x64 forward is the one that spills
-        # (D64 decoding: 12/24 B at 80 registers).
-        (kernel == "fwd" and bm == 16 and (warps == 8) != ragged)
+        # Head dims that are not multiples of 16 (_ragged), measured at D40, D72, D100 (and
+        # D100 with Dv 1, a bool mask and a window) and D200 (2026-11-27): the forward's 4-warp
+        # 16-row tiles of 64 keys or more (16x64 8-32 B, 16x128 24-1288 B; the 8-warp 16x64 is
+        # clean up to BLOCK_D 128, and at D200 16x32 w4s1 is), 64x128 w4 (40 B), 64x64 w4 at
+        # BLOCK_D 128 (12-16 B); dK/dV 64-row tiles at BLOCK_D 128 (8-156 B); dQ 64x64 w8s3
+        # (140 B), 32x64 w4 and 16x64 w4 (4-16 B) there. Elsewhere the 8-warp 16x64 forward is
+        # the one that spills (D64 decoding: 12/24 B at 80 registers; D200: 20/24 B).
+        (kernel == "fwd" and bm == 16 and warps == 8 and not (ragged and not wide))
+        or (ragged and kernel == "fwd" and bm == 16 and warps == 4 and bn >= 64)
         or (ragged and kernel == "fwd" and warps == 4
             and ((bm, bn) == (64, 128) or (wide_d and (bm, bn) == (64, 64))))
         or (ragged and wide_d and kernel == "dkdv" and bm == 64)

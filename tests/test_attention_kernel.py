@@ -476,6 +476,8 @@ def test_pruner_register_rules_for_sm90(monkeypatch, tuned):
     assert prune("fwd", decoding, lq_bucket=1) == [(16, 64, 4), (16, 128, 4)]
     assert prune("fwd", decoding, lq_bucket=1, HEAD_DIM=100, HEAD_DIM_V=100) == [(16, 64, 8)]
     assert prune("fwd", decoding, lq_bucket=1, HEAD_DIM=128, HEAD_DIM_V=1) == [(16, 64, 8)]
+    wide = decoding + [(16, 32, 4, 1)]
+    assert prune("fwd", wide, d=256, lq_bucket=1, HEAD_DIM=200, HEAD_DIM_V=200) == [(16, 32, 4)]
     assert prune("dkdv", [(64, 32, 8, 3), (32, 64, 8, 3)], HEAD_DIM=100) == [(32, 64, 8)]
     gpu = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "WARP_SPECIALIZE": False}, num_warps=4,
                          num_stages=3)]

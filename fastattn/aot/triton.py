@@ -133,6 +133,8 @@ def _attention_cases():
             Case("attention", f"bf16 D{d} decode 1x4k",
                  attn(d, torch.bfloat16, L=1, Lk=4096, causal=True, backward=False)),
         ]
+    cases.append(Case("attention", "bf16 D200 decode 1x4k",
+                      attn(200, torch.bfloat16, L=1, Lk=4096, causal=True, backward=False)))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256, 80):
             quick = dtype == torch.bfloat16 and d in (64, 128)
