@@ -192,22 +192,23 @@ _CXX_BUILDS = Step("cxx-exceptions-builds", [PY, "bench/cxx_exceptions.py"], 120
 # own, and that config spilled 740 B), and the pruner no longer keeps 64x64 w4s3 at this head
 # dim: "as-faulted" runs the faulting launch as it was (that config, the caller's mask).
 _AS_FAULTED = ["--config", "64x64 w4s3", "--unaligned-mask"]
+
+
+def _seed0(name, timeout, *args, memcheck=False):
+    """bench/triton_bounds.py on seed 0, compiled (Triton alone), under memcheck or not."""
+    tool = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1",
+            "--print-limit", "20"] if memcheck else []
+    return Step(name, [*tool, PY, "bench/triton_bounds.py", "--device", "cuda", "--seeds", "0",
+                       *args], timeout, {**_NO_EXT, "TRITON_INTERPRET": "0"})
+
+
 _TRITON_FAULT = [
-    Step("stress-triton", [PY, "bench/triton_bounds.py", "--device", "cuda", "--seeds", "0",
-                           "--forward-only", "--first-only", "--repeat", "5000", "--no-sync"], 60,
-         {**_NO_EXT, "TRITON_INTERPRET": "0"}),
-    Step("stress-triton-as-faulted", [PY, "bench/triton_bounds.py", "--device", "cuda", "--seeds",
-                                      "0", "--forward-only", *_AS_FAULTED, "--repeat", "5000",
-                                      "--no-sync"], 60, {**_NO_EXT, "TRITON_INTERPRET": "0"}),
-    Step("memcheck-triton-as-faulted", ["compute-sanitizer", "--tool", "memcheck",
-                                        "--error-exitcode", "1", "--print-limit", "20", PY,
-                                        "bench/triton_bounds.py", "--device", "cuda", "--seeds",
-                                        "0", "--forward-only", *_AS_FAULTED, "--repeat", "3"], 60,
-         {**_NO_EXT, "TRITON_INTERPRET": "0"}),
-    Step("memcheck-triton", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1",
-                             "--print-limit", "20", PY, "bench/triton_bounds.py", "--device",
-                             "cuda", "--seeds", "0", "--repeat", "3"], 150,
-         {**_NO_EXT, "TRITON_INTERPRET": "0"}),
+    _seed0("stress-triton", 60, "--forward-only", "--first-only", "--repeat", "5000", "--no-sync"),
+    _seed0("stress-triton-as-faulted", 60, "--forward-only", *_AS_FAULTED, "--repeat", "5000",
+           "--no-sync"),
+    _seed0("memcheck-triton-as-faulted", 60, "--forward-only", *_AS_FAULTED, "--repeat", "3",
+           memcheck=True),
+    _seed0("memcheck-triton", 150, "--repeat", "3", memcheck=True),
 ]
 
 # compute-sanitizer on the CUDA kernels, a step per tool (9-15 s each on 2026-11-26's runs).

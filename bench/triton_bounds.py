@@ -396,11 +396,11 @@ def every_h100_config(record, only_first=False, repeats=1, kernels=None, sync=Tr
     def runner(name, tuner):
         def run(*args, **kwargs):
             nargs = dict(zip(tuner.arg_names, args))
-            configs = h100_configs(name, nargs, kwargs)
             if pick:
-                view = h100_attention_module()
-                configs = [c for c in getattr(view, _KINDS[name][1])
+                configs = [c for c in getattr(h100_attention_module(), _KINDS[name][1])
                            if tuning.config_text(c).startswith(pick)]
+            else:
+                configs = h100_configs(name, nargs, kwargs)
             if only_first:
                 configs = configs[:1]
             outs = [nargs[o] for o in _OUTPUTS[name] if o in nargs]

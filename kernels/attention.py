@@ -284,8 +284,7 @@ def _spills(kernel, config, args):
     float_mask = args["HAS_MASK"] and not args.get("MASK_BOOL", True) and not args["USE_TMA"]
     fp32_mask_dropout = (args["HAS_DROPOUT"] and _mask_bytes(args) == 4
                          and args["Q"].element_size() == 2)
-    ragged, wide_d = _ragged(args), args["BLOCK_D"] >= 128
-    wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
+    ragged, wide_d, wide = _ragged(args), args["BLOCK_D"] >= 128, _wide(args)
     return (
         # Head dims that are not multiples of 16 (_ragged), measured at D40, D72, D100 (and
         # D100 with Dv 1, a bool mask and a window) and D200 (2026-11-27): the forward's 4-warp
@@ -400,6 +399,11 @@ def _maxnreg(kernel, bm, bn, block_d, block_dv, elem_bytes, stages, warps, live)
     return regs
 
 
+def _wide(args):
+    """Whether a head dim of the launch is above 128 (BLOCK_D or BLOCK_DV 256)."""
+    return max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
+
+
 def _ragged(args):
     """Whether a head dim of the launch is not a multiple of 16 (40, 100, ...): then neither are
     the row strides of q, k or v, their tiles are loaded element by element into registers
@@ -435,7 +439,7 @@ def _prune(configs, named_args, kernel, **kwargs):
                                            num_warps=c.num_warps, num_stages=c.num_stages)
                              for c in _FP32_CONFIGS[kernel]])
     rows = max(16, args["lq_bucket"])
-    wide = max(args["BLOCK_D"], args["BLOCK_DV"]) > 128
+    wide = _wide(args)
     ws_ok = (args["USE_TMA"] and not args["HAS_MASK"] and not args["HAS_DROPOUT"]
              and elem_bytes == 2 and descriptors.warp_specialize_ok())
 

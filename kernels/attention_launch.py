@@ -78,7 +78,7 @@ def _aligned_mask(mask):
     PyTorch pads the bias of its memory-efficient kernel the same way. Not while torch.compile
     traces (sizes and pointers are symbolic there)."""
     strides = mask.stride()
-    if (not ALIGN_MASK or torch.compiler.is_compiling() or descriptors.is_fake(mask)
+    if (not ALIGN_MASK or descriptors.traced(mask)
             or (mask.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in strides[:-1]))):
         return mask
     distinct = mask[tuple(slice(None) if s else slice(0, 1) for s in strides)]

@@ -86,6 +86,12 @@ def tma_for(device_type):
     return mode == "1" or (device_type == "cuda" and not tuning.INTERPRET and hopper_or_newer())
 
 
+def traced(*tensors):
+    """Whether this launch is being traced rather than run: under torch.compile, or on fake
+    tensors (opcheck, make_fx), where sizes, strides and pointers are symbolic or absent."""
+    return torch.compiler.is_compiling() or any(is_fake(t) for t in tensors)
+
+
 def use_tma(*tensors):
     """Whether a launch on these (B, H, L, D) tensors takes the descriptor path. Never while
     torch.compile traces (the compiled graph launches the pointer kernels), nor for float32 unless
@@ -96,7 +102,7 @@ def use_tma(*tensors):
         return False
     if tensors[0].dtype == torch.float32 and tma_mode() == "auto":
         return False
-    if torch.compiler.is_compiling() or any(is_fake(t) for t in tensors):
+    if traced(*tensors):
         return False
     return all(tma_aligned(t) for t in tensors)
 
