@@ -16,7 +16,9 @@
 //
 // * Packing (memory-bound, parallel): q, k, v (and dout) are converted once to the accumulation
 //   type A (float; double for float64) into the layouts the tile GEMMs stream: row-major, the
-//   head dim zero-padded to 64 bytes, or transposed tiles (dim x tile). Q is packed times `scale`.
+//   head dim zero-padded to whole 64-byte lines, or transposed tiles (dim x tile). Rows that the
+//   GEMMs read as B are spaced by cpu::gemm_ld, never a multiple of 512 bytes apart (at 1 KB, the
+//   forward's 256-key K^T tile thrashed L1: cpu_gemm.h). Q is packed times `scale`.
 //   That is O((Lq + Lk) * D) memory. The workers depend on A only; float16 / bfloat16 outputs are
 //   computed in A and rounded once at the end. In the forward a key tile serves nqb * G tasks;
 //   where that is at most two, each task packs the k / v tiles it uses into its own buffers
@@ -99,9 +101,9 @@ struct FwdArgs {
   A scale;
   const A* qp;  // (B * H * Lq + pad, qld) queries, row-major
   int64_t qld;
-  const A* kt;  // (B * Hkv, nkb, D, BK) transposed key tiles
+  const A* kt;  // (B * Hkv, nkb, D, ldk) transposed key tiles (BK keys, rows ldk apart)
   const A* vp;  // (B * Hkv * Lk + pad, Dvp)
-  int64_t Dvp, BQ, BK, nqb, nkb;
+  int64_t Dvp, BQ, BK, ldk, nqb, nkb;
   const int64_t* qb_order;
   const uint8_t* v_bad;  // nonfinite_tiles of vp with tile BK, or null
   const uint8_t* dead;   // masked_key_tiles (per b * H + h and key tile), or null
@@ -126,12 +128,13 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
   using A = typename V::value_type;
   constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
   const Shape& sh = p.sh;
-  const int64_t D = sh.D, Dv = sh.Dv, Dvp = p.Dvp, BQ = p.BQ, BK = p.BK;
+  const int64_t D = sh.D, Dv = sh.Dv, Dvp = p.Dvp, BQ = p.BQ, BK = p.BK, ldk = p.ldk;
+  const int64_t Dvw = round_up(Dv, W);  // the columns of O computed (Dvp: the row stride)
   const A neg_inf = -std::numeric_limits<A>::infinity();
   std::vector<A> sbuf((BQ + R) * BK), obuf(kStats ? 0 : (BQ + R) * std::max(Dvp, W));
   std::vector<A> m(BQ), l(BQ), z(p.drop.on ? BK : 0);
   const bool local = p.pack_tile != nullptr;
-  std::vector<A> ktile(local ? D * BK : 0), vtile(local ? (BK + R) * Dvp : 0, A(0));
+  std::vector<A> ktile(local ? D * ldk : 0), vtile(local ? (BK + R) * Dvp : 0, A(0));
   std::vector<A> kbuf(local ? kColumnGroup * D : 0);
   int64_t held = -1;  // the tile ktile / vtile hold (bg * nkb + kb)
   bool held_bad = false;
@@ -157,10 +160,10 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
         held = id;
         held_bad = any_nonfinite(vtile.data(), std::min(BK, sh.Lk - kb * BK) * Dvp);
       }
-      const A* kt = local ? ktile.data() : p.kt + id * D * BK;  // (the tile's key kb * BK first)
+      const A* kt = local ? ktile.data() : p.kt + id * D * ldk;  // (the tile's key kb * BK first)
       const A* vrows = local ? vtile.data() : p.vp + (bg * sh.Lk + kb * BK) * Dvp;
       A* s = sbuf.data();
-      cpu::gemm<V>(nq, nkp, D, qblk, p.qld, kt + (j0 - kb * BK), BK, s, BK, false);
+      cpu::gemm<V>(nq, nkp, D, qblk, p.qld, kt + (j0 - kb * BK), ldk, s, BK, false);
       for (int64_t r = 0; r < nq; ++r) {
         A* sr = s + r * BK;
         const int64_t i = i0 + r;
@@ -171,7 +174,7 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
           continue;
         }
         if constexpr (!kStats) {
-          if (alpha != A(1)) scale_row<V>(obuf.data() + r * Dvp, Dvp, alpha);
+          if (alpha != A(1)) scale_row<V>(obuf.data() + r * Dvp, Dvw, alpha);
           if (p.drop.on) {
             dropout_row<A>(z.data(), nk, dropout_row_base(i, sh.Lk) + static_cast<uint32_t>(j0), 1,
                            stream, p.drop.threshold, static_cast<A>(p.drop.inv_keep));
@@ -180,7 +183,7 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
         }
       }
       if constexpr (!kStats) {
-        gemm_acc<V>(local ? held_bad : flagged(p.v_bad, id), nq, Dvp, nk, s, BK,
+        gemm_acc<V>(local ? held_bad : flagged(p.v_bad, id), nq, Dvw, nk, s, BK,
                     vrows + (j0 - kb * BK) * Dvp, Dvp, obuf.data(), Dvp);
       }
     }
@@ -245,6 +248,7 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
   constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
   const Shape& sh = p.sh;
   const int64_t D = sh.D, Dv = sh.Dv, Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
+  const int64_t Dw = round_up(D, W), Dvw = round_up(Dv, W);  // columns computed (Dp, Dvp: strides)
   const bool drop = p.drop.on;
   std::vector<A> st((TK + R) * TQ), dpt((TK + R) * TQ), pz(drop ? (TK + R) * TQ : 0);
   std::vector<A> z(drop ? TK * TQ : 0);
@@ -290,7 +294,7 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
           }
         }
         // dV += (P Z)^T dO
-        gemm_acc<V>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvp, nq, drop ? pz.data() : st.data(),
+        gemm_acc<V>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvw, nq, drop ? pz.data() : st.data(),
                     TQ, p.dop + (bh * sh.Lq + i0) * Dvp, Dvp, dv_acc.data(), Dvp);
         // dP^T = V dO^T, dS^T = P^T (Z dP^T - delta)
         cpu::gemm<V>(nk, nqp, Dv, vblk, Dvp, p.dot + (bh * p.nqb + qb) * Dv * TQ, TQ, dpt.data(),
@@ -300,7 +304,7 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
                          nqp, delta);
         }
         // dK += dS^T Q
-        gemm_acc<V>(flagged(p.q_bad, bh * p.nqb + qb), nk, Dp, nq, dpt.data(), TQ,
+        gemm_acc<V>(flagged(p.q_bad, bh * p.nqb + qb), nk, Dw, nq, dpt.data(), TQ,
                     p.qp + (bh * sh.Lq + i0) * Dp, Dp, dk_acc.data(), Dp);
       }
     }
@@ -397,6 +401,7 @@ FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::at
   constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
   const Shape& sh = p.sh;
   const int64_t Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
+  const int64_t Dw = round_up(sh.D, W);  // the columns of dQ computed (Dp: the row stride)
   const bool drop = p.drop.on;
   std::vector<A> s((TQ + R) * TK), dp((TQ + R) * TK), z(drop ? TQ * TK : 0);
   std::vector<A> dq_acc((TQ + R) * std::max(Dp, W));
@@ -416,7 +421,7 @@ FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::at
                            stream, i0, nq, tile, qblk, lse, s.data(), z.data(), nullptr);
       dscores_tile<V>(p, bh, bg, kb, i0, nq, tile, doblk, delta, s.data(), z.data(), dp.data());
       // dQ += dS K
-      gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, tile.nk, dp.data(), TK,
+      gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dw, tile.nk, dp.data(), TK,
                   p.kp + (bg * sh.Lk + tile.j0) * Dp, Dp, dq_acc.data(), Dp);
     }
     store_dq(p, bh, i0, nq, dq_acc.data());
@@ -435,6 +440,7 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
   constexpr int64_t W = V::size, R = cpu::kGemmRowPad;
   const Shape& sh = p.sh;
   const int64_t D = sh.D, Dv = sh.Dv, Dp = p.Dp, Dvp = p.Dvp, TQ = p.TQ, TK = p.TK;
+  const int64_t Dw = round_up(D, W), Dvw = round_up(Dv, W);  // columns computed (Dp, Dvp: strides)
   const bool drop = p.drop.on;
   std::vector<A> s((TQ + R) * TK), dp((TQ + R) * TK), pz(drop ? (TQ + R) * TK : 0);
   std::vector<A> z(drop ? TQ * TK : 0), dq_acc(TQ * std::max(Dp, W));
@@ -462,13 +468,13 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
           probs_tile<V, true>(p, staged.at(p.mask, b, h, i0, nq, ks, kb, TK, sh.Lk), b, h, bg, kb,
                               stream, i0, nq, tile, qblk, lse, s.data(), z.data(), pz.data());
           // dV += (P Z)^T dO
-          gemm_acc<V, true>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvp, nq,
+          gemm_acc<V, true>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvw, nq,
                             drop ? pz.data() : s.data(), TK, doblk, Dvp, dv_acc.data() + j0 * Dvp, Dvp);
           dscores_tile<V>(p, bh, bg, kb, i0, nq, tile, doblk, delta, s.data(), z.data(), dp.data());
           // dQ += dS K, dK += dS^T (scale Q)
-          gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dp, nk, dp.data(), TK,
+          gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dw, nk, dp.data(), TK,
                       p.kp + (bg * sh.Lk + j0) * Dp, Dp, dq_acc.data(), Dp);
-          gemm_acc<V, true>(flagged(p.q_bad, bh * p.nqb + qb), nk, Dp, nq, dp.data(), TK, qblk, Dp,
+          gemm_acc<V, true>(flagged(p.q_bad, bh * p.nqb + qb), nk, Dw, nq, dp.data(), TK, qblk, Dp,
                             dk_acc.data() + j0 * Dp, Dp);
         }
         store_dq(p, bh, i0, nq, dq_acc.data());
@@ -572,10 +578,10 @@ struct KvTiles {
   const T* v;
   Strided4 vs;
   Shape sh;
-  int64_t tile, Dvp;
+  int64_t tile, ldk, Dvp;
   static void pack(const void* self, int64_t bg, int64_t kb, A* kt, A* vp, A* buf) {
     const auto& t = *static_cast<const KvTiles*>(self);
-    pack_kv_tile<T, A>(t.k, t.ks, t.v, t.vs, t.sh, t.tile, bg, kb, kt, vp, t.Dvp, buf);
+    pack_kv_tile<T, A>(t.k, t.ks, t.v, t.vs, t.sh, t.tile, t.ldk, bg, kb, kt, vp, t.Dvp, buf);
   }
 };
 
@@ -589,7 +595,8 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
                  q.size(3), v.size(3)};
   // (key tiles no wider than the keys: a 128-key head in one 128-key tile, not half a 256 one)
   const int64_t BQ = kFwdBlockQ, BK = std::min(kFwdBlockK, round_up(sh.Lk, kColumnGroup));
-  const int64_t nqb = ceil_div(sh.Lq, BQ), nkb = ceil_div(sh.Lk, BK), Dvp = round_up(sh.Dv, kPad<A>);
+  const int64_t nqb = ceil_div(sh.Lq, BQ), nkb = ceil_div(sh.Lk, BK);
+  const int64_t ldk = cpu::gemm_ld<A>(BK), Dvp = cpu::gemm_ld<A>(sh.Dv);
   // A key tile serves the nqb * G tasks of its kv head. Where that is at most two, each task packs
   // the tiles it uses into its own buffers, in cache: packing all of k and v first writes them
   // out and reads them back once more, which few queries never earn back (a third of the
@@ -598,15 +605,15 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   at::Tensor qp = at::empty({packed_rows_size(sh.B * sh.H * sh.Lq, sh.D)}, acc_opts);
   at::Tensor kt, vp;
   const KvTiles<T, A> tiles{k.const_data_ptr<T>(), strides_of(k), v.const_data_ptr<T>(),
-                            strides_of(v), sh, BK, Dvp};
+                            strides_of(v), sh, BK, ldk, Dvp};
   if (local) {
     pack_rows<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, sh.D,
                     qp.data_ptr<A>(), static_cast<A>(scale));
   } else {
-    kt = at::empty({sh.B * sh.Hkv * nkb * sh.D * BK}, acc_opts);
+    kt = at::empty({sh.B * sh.Hkv * nkb * sh.D * ldk}, acc_opts);
     vp = at::empty({packed_rows_size(sh.B * sh.Hkv * sh.Lk, Dvp)}, acc_opts);
     pack_qkv<T, A>(q.const_data_ptr<T>(), strides_of(q), k.const_data_ptr<T>(), strides_of(k),
-                   v.const_data_ptr<T>(), strides_of(v), sh, BK, static_cast<A>(scale),
+                   v.const_data_ptr<T>(), strides_of(v), sh, BK, ldk, static_cast<A>(scale),
                    qp.data_ptr<A>(), kt.data_ptr<A>(), vp.data_ptr<A>(), Dvp);
   }
   at::Tensor out_acc = acc_output<T, A>(out);
@@ -616,7 +623,7 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const std::vector<uint8_t> dead = masked_key_tiles(mask, sh.B, sh.H, sh.Lk, BK);
   FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), sh.D,
                local ? nullptr : kt.const_data_ptr<A>(), local ? nullptr : vp.const_data_ptr<A>(),
-               Dvp, BQ, BK, nqb, nkb, order.data(), v_bad.empty() ? nullptr : v_bad.data(),
+               Dvp, BQ, BK, ldk, nqb, nkb, order.data(), v_bad.empty() ? nullptr : v_bad.data(),
                dead.empty() ? nullptr : dead.data(), out_acc.data_ptr<A>(), lse.data_ptr<float>(),
                nullptr, 0};
   if (local) {
@@ -680,7 +687,7 @@ void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::T
                  q.size(3), v.size(3)};
   const int64_t TQ = kBwdBlockQ, TK = kBwdBlockK;
   const int64_t nqb = ceil_div(sh.Lq, TQ), nkb = ceil_div(sh.Lk, TK), Lq_pad = nqb * TQ;
-  const int64_t Dp = round_up(sh.D, kPad<A>), Dvp = round_up(sh.Dv, kPad<A>);
+  const int64_t Dp = cpu::gemm_ld<A>(sh.D), Dvp = cpu::gemm_ld<A>(sh.Dv);
   const int64_t BH = sh.B * sh.H, BG = sh.B * sh.Hkv;
   // One pass when the (b, kv head) tasks balance over the threads: its tasks cost about 0.6 of
   // the two passes' work per head (5 GEMMs instead of 7, one exp instead of two).
@@ -745,7 +752,7 @@ void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::T
     // float64: recompute lse in float64 (the saved one is float32).
     const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, TQ, TK);
     const FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), Dp,
-                       kt.const_data_ptr<A>(), nullptr, Dvp, TQ, TK, nqb, nkb, order.data(),
+                       kt.const_data_ptr<A>(), nullptr, Dvp, TQ, TK, TK, nqb, nkb, order.data(),
                        nullptr, nullptr, nullptr, nullptr, lse.data_ptr<A>(), Lq_pad};
     run_workers(BH * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, true>(p, next); });
   }

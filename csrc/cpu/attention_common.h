@@ -276,29 +276,30 @@ std::vector<uint8_t> nonfinite_tiles(const A* rows, int64_t heads, int64_t L, in
   return flags;
 }
 
-// Rows of a transposed tile (dim x tile) are written kColumnGroup at a time: row c0 + c of the
-// group is packed into buf + c * dim, then put_columns stores out[d * tile + c0 + c] for the whole
-// group, one 64-byte run per line of the tile. Written one column (key) at a time, each value
+// Rows of a transposed tile (dim x tile, rows ld apart) are written kColumnGroup at a time: row
+// c0 + c of the group is packed into buf + c * dim, then put_columns stores out[d * ld + c0 + c]
+// for the whole group, one 64-byte run per line of the tile. Written one column (key) at a time, each value
 // went to another line of a tile too big for L1 (64 KB for 256 keys at D = 64): the packing was
 // ~14% of a 4x4x256x64 forward, as much as its exps.
 constexpr int64_t kColumnGroup = 16;
 
 template <class A>
-inline void put_columns(const A* buf, A* out, int64_t dim, int64_t tile, int64_t c0, int64_t n) {
+inline void put_columns(const A* buf, A* out, int64_t dim, int64_t ld, int64_t c0, int64_t n) {
   for (int64_t d = 0; d < dim; ++d) {
-    A* o = out + d * tile + c0;
+    A* o = out + d * ld + c0;
     for (int64_t c = 0; c < n; ++c) o[c] = buf[c * dim + d];
   }
 }
 
-// Columns [n, round_up(n, kColumnGroup)) of a transposed tile (dim x tile) set to zero: the
+// Columns [n, round_up(n, kColumnGroup)) of a transposed tile (dim x tile, rows ld apart) set to
+// zero: the
 // GEMMs read a tile's columns up to its keys rounded to a whole vector (at most kColumnGroup
 // values), never further, so a short last tile (or a tile wider than the sequence) leaves the
 // rest unwritten (a 128-key head in a 256-key tile: half the packing's stores were zeros).
 template <class A>
-inline void zero_columns(A* out, int64_t dim, int64_t tile, int64_t n) {
+inline void zero_columns(A* out, int64_t dim, int64_t tile, int64_t ld, int64_t n) {
   const int64_t end = std::min(tile, round_up(n, kColumnGroup));
-  for (int64_t d = 0; d < dim; ++d) std::fill(out + d * tile + n, out + d * tile + end, A(0));
+  for (int64_t d = 0; d < dim; ++d) std::fill(out + d * ld + n, out + d * ld + end, A(0));
 }
 
 // Transposed tiles: dst[((bh * ntiles + t) * dim + d) * tile + c] = scale * src[b, head, t * tile + c, d],
@@ -321,20 +322,22 @@ void pack_transposed(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t
         }
         put_columns(buf.data(), out, dim, tile, c0, m);
       }
-      zero_columns(out, dim, tile, n);
+      zero_columns(out, dim, tile, tile, n);
     }
   });
 }
 
 // The forward's three packings in one pass: q as pack_rows (times scale, row length D), k as
-// pack_transposed (tiles of `tile` keys), v as pack_rows (row length Dvp). A task (b, h, tile t)
+// pack_transposed (tiles of `tile` keys, but rows ldk apart: D x ldk values a tile), v as
+// pack_rows (row length Dvp). A task (b, h, tile t)
 // packs q's rows of tile t and, for the first query head of each kv head, k's and v's rows of
 // the same tile, token by token: where q, k and v are views of one qkv tensor (self-attention
 // after one projection) that is one sequential stream, where three passes each read a third of
 // every token at the token's stride.
 template <class T, class A>
 void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Strided4 vs,
-              const Shape& sh, int64_t tile, A scale, A* qp, A* kt, A* vp, int64_t Dvp) {
+              const Shape& sh, int64_t tile, int64_t ldk, A scale, A* qp, A* kt, A* vp,
+              int64_t Dvp) {
   const int64_t nkb = ceil_div(sh.Lk, tile), ntiles = std::max(ceil_div(sh.Lq, tile), nkb);
   at::parallel_for(0, sh.B * sh.H * ntiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<A> kbuf(kColumnGroup * sh.D);
@@ -347,7 +350,7 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
       const T* qh = q + b * qs.s0 + h * qs.s1;
       const T* kh = k + b * ks.s0 + g * ks.s1;
       const T* vh = v + b * vs.s0 + g * vs.s1;
-      A* kout = kt + (bg * nkb + t) * sh.D * tile;
+      A* kout = kt + (bg * nkb + t) * sh.D * ldk;
       const int64_t n = std::max(nq, nk);
       for (int64_t c0 = 0; c0 < n; c0 += kColumnGroup) {
         for (int64_t c = c0; c < std::min(c0 + kColumnGroup, n); ++c) {
@@ -358,9 +361,9 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
             pack_row(vh + r * vs.s2, vp + (bg * sh.Lk + r) * Dvp, sh.Dv, Dvp, A(1));
           }
         }
-        if (c0 < nk) put_columns(kbuf.data(), kout, sh.D, tile, c0, std::min(kColumnGroup, nk - c0));
+        if (c0 < nk) put_columns(kbuf.data(), kout, sh.D, ldk, c0, std::min(kColumnGroup, nk - c0));
       }
-      if (owns_kv) zero_columns(kout, sh.D, tile, nk);
+      if (owns_kv) zero_columns(kout, sh.D, tile, ldk, nk);
     }
   });
   const int64_t qrows = sh.B * sh.H * sh.Lq, vrows = sh.B * sh.Hkv * sh.Lk;
@@ -370,11 +373,11 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
 
 // One forward key tile, laid out as pack_qkv lays out that tile, for a task that packs the
 // tiles it uses (FwdArgs::pack_tile): keys [kb * tile, kb * tile + n), n = min(tile, Lk - kb *
-// tile), of kv head bg; k transposed into kt (D x tile, columns n.. zero), v as n rows of Dvp
+// tile), of kv head bg; k transposed into kt (D x tile, rows ldk apart, columns n.. zero), v as n rows of Dvp
 // into vp; buf holds kColumnGroup * D values.
 template <class T, class A>
 void pack_kv_tile(const T* k, Strided4 ks, const T* v, Strided4 vs, const Shape& sh, int64_t tile,
-                  int64_t bg, int64_t kb, A* kt, A* vp, int64_t Dvp, A* buf) {
+                  int64_t ldk, int64_t bg, int64_t kb, A* kt, A* vp, int64_t Dvp, A* buf) {
   const int64_t b = bg / sh.Hkv, g = bg % sh.Hkv, j0 = kb * tile, n = std::min(tile, sh.Lk - j0);
   const T* kh = k + b * ks.s0 + g * ks.s1 + j0 * ks.s2;
   const T* vh = v + b * vs.s0 + g * vs.s1 + j0 * vs.s2;
@@ -384,9 +387,9 @@ void pack_kv_tile(const T* k, Strided4 ks, const T* v, Strided4 vs, const Shape&
       pack_row(kh + c * ks.s2, buf + (c - c0) * sh.D, sh.D, sh.D, A(1));
       pack_row(vh + c * vs.s2, vp + c * Dvp, sh.Dv, Dvp, A(1));
     }
-    put_columns(buf, kt, sh.D, tile, c0, m);
+    put_columns(buf, kt, sh.D, ldk, c0, m);
   }
-  zero_columns(kt, sh.D, tile, n);
+  zero_columns(kt, sh.D, tile, ldk, n);
 }
 
 // ---------------------------------------------------------------------------------------------
