@@ -205,15 +205,37 @@ struct Vec {
     std::memcpy(&bits, &x.v, sizeof(bits));
     return bits == (RawI{} + std::numeric_limits<I>::min()) ? a.v : b.v;
   }
-  FASTATTN_INLINE A sum() const {
-    A s = v[0];
-    for (int i = 1; i < W; ++i) s += v[i];
-    return s;
-  }
-  FASTATTN_INLINE A max_lane() const {
-    A s = v[0];
-    for (int i = 1; i < W; ++i) s = v[i] > s ? v[i] : s;
-    return s;
+  // Horizontal sum and max: the halves of the vector combined lane by lane, then the halves of
+  // that, down to four lanes (two for double), then those two by two: log2(W) steps, where a
+  // chain over the lanes took W - 1 dependent scalar steps with a lane extract each (12% of the
+  // D32 causal forward at 64 x 128 keys, which reduces every row of every tile). The sum's
+  // rounding follows that tree; max_lane, as max, takes a lane that compares greater (a NaN lane
+  // may or may not win: callers that care test for NaN themselves).
+  FASTATTN_INLINE A sum() const { return fold<W, Add>(v); }
+  FASTATTN_INLINE A max_lane() const { return fold<W, Max>(v); }
+
+ private:
+  struct Add {
+    template <class T>
+    FASTATTN_INLINE static T apply(T a, T b) { return a + b; }
+  };
+  struct Max {
+    template <class T>
+    FASTATTN_INLINE static T apply(T a, T b) { return a > b ? a : b; }
+  };
+  template <int N, class Op, class R>
+  FASTATTN_INLINE static A fold(R r) {
+    if constexpr (N > 16 / static_cast<int>(sizeof(A))) {
+      using H = typename RawVec<A, N / 2>::type;
+      H lo, hi;
+      std::memcpy(&lo, &r, sizeof(H));
+      std::memcpy(&hi, reinterpret_cast<const char*>(&r) + sizeof(H), sizeof(H));
+      return fold<N / 2, Op>(Op::apply(lo, hi));
+    } else if constexpr (N == 4) {
+      return Op::apply(Op::apply(A(r[0]), A(r[2])), Op::apply(A(r[1]), A(r[3])));
+    } else {
+      return Op::apply(A(r[0]), A(r[1]));
+    }
   }
 };
 #else
