@@ -653,6 +653,31 @@ FASTATTN_INLINE void store_as(V v, T* p) {
   }
 }
 
+// 2W values of T at p as two vectors of A, and back: for passes where a value's lane does not
+// matter as long as every vector op sees the same lanes (elementwise, or sums whose grouping is
+// free). bfloat16 goes as load_bf16_pairs / store_bf16_pairs (values at even positions in one,
+// odd ones in the other: no shuffles, where load_as needs a widening per W values); other types
+// as two consecutive vectors. Stored back by store_pair_as, every value is in its place.
+template <class V, class T>
+FASTATTN_INLINE void load_pair_as(const T* p, V& first, V& second) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<typename V::value_type, float>) {
+    load_bf16_pairs<V::size>(p, first, second);
+  } else {
+    first = load_as<V>(p);
+    second = load_as<V>(p + V::size);
+  }
+}
+
+template <class V, class T>
+FASTATTN_INLINE void store_pair_as(V first, V second, T* p) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<typename V::value_type, float>) {
+    store_bf16_pairs<V::size>(first, second, p);
+  } else {
+    store_as(first, p);
+    store_as(second, p + V::size);
+  }
+}
+
 // dst[0, n) = src[0, n) converted to A.
 template <class A, class T>
 FASTATTN_INLINE void convert_to_acc(const T* src, A* dst, int64_t n) {
