@@ -278,9 +278,9 @@ std::vector<uint8_t> nonfinite_tiles(const A* rows, int64_t heads, int64_t L, in
 
 // Rows of a transposed tile (dim x tile, rows ld apart) are written kColumnGroup at a time: row
 // c0 + c of the group is packed into buf + c * dim, then put_columns stores out[d * ld + c0 + c]
-// for the whole group, one 64-byte run per line of the tile. Written one column (key) at a time, each value
-// went to another line of a tile too big for L1 (64 KB for 256 keys at D = 64): the packing was
-// ~14% of a 4x4x256x64 forward, as much as its exps.
+// for the whole group, one 64-byte run per line of the tile. Written one column (key) at a time,
+// each value went to another line of a tile too big for L1 (64 KB for 256 keys at D = 64): the
+// packing was ~14% of a 4x4x256x64 forward, as much as its exps.
 constexpr int64_t kColumnGroup = 16;
 
 template <class A>
@@ -292,10 +292,10 @@ inline void put_columns(const A* buf, A* out, int64_t dim, int64_t ld, int64_t c
 }
 
 // Columns [n, round_up(n, kColumnGroup)) of a transposed tile (dim x tile, rows ld apart) set to
-// zero: the
-// GEMMs read a tile's columns up to its keys rounded to a whole vector (at most kColumnGroup
-// values), never further, so a short last tile (or a tile wider than the sequence) leaves the
-// rest unwritten (a 128-key head in a 256-key tile: half the packing's stores were zeros).
+// zero: the GEMMs read a tile's columns up to its keys rounded to a whole vector (at most
+// kColumnGroup values), never further, so a short last tile (or a tile wider than the sequence)
+// leaves the rest unwritten (a 128-key head in a 256-key tile: half the packing's stores were
+// zeros).
 template <class A>
 inline void zero_columns(A* out, int64_t dim, int64_t tile, int64_t ld, int64_t n) {
   const int64_t end = std::min(tile, round_up(n, kColumnGroup));
@@ -329,9 +329,8 @@ void pack_transposed(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t
 
 // The forward's three packings in one pass: q as pack_rows (times scale, row length D), k as
 // pack_transposed (tiles of `tile` keys, but rows ldk apart: D x ldk values a tile), v as
-// pack_rows (row length Dvp). A task (b, h, tile t)
-// packs q's rows of tile t and, for the first query head of each kv head, k's and v's rows of
-// the same tile, token by token: where q, k and v are views of one qkv tensor (self-attention
+// pack_rows (row length Dvp). A task (b, h, tile t) packs q's rows of tile t and, for the first
+// query head of each kv head, k's and v's rows of the same tile, token by token: where q, k and v are views of one qkv tensor (self-attention
 // after one projection) that is one sequential stream, where three passes each read a third of
 // every token at the token's stride.
 template <class T, class A>
@@ -373,8 +372,8 @@ void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Stri
 
 // One forward key tile, laid out as pack_qkv lays out that tile, for a task that packs the
 // tiles it uses (FwdArgs::pack_tile): keys [kb * tile, kb * tile + n), n = min(tile, Lk - kb *
-// tile), of kv head bg; k transposed into kt (D x tile, rows ldk apart, columns n.. zero), v as n rows of Dvp
-// into vp; buf holds kColumnGroup * D values.
+// tile), of kv head bg; k transposed into kt (D x tile, rows ldk apart, columns n.. zero), v as
+// n rows of Dvp into vp; buf holds kColumnGroup * D values.
 template <class T, class A>
 void pack_kv_tile(const T* k, Strided4 ks, const T* v, Strided4 vs, const Shape& sh, int64_t tile,
                   int64_t ldk, int64_t bg, int64_t kb, A* kt, A* vp, int64_t Dvp, A* buf) {

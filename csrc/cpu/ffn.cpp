@@ -187,22 +187,20 @@ FASTATTN_INLINE void act_fwd_rows(ActSpec act, Dims d, const T* pre, T* a, int64
     const T* pr = pre + r * d.F1;
     T* ar = a + r * d.F;
     int64_t c0 = 0;
-    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<typename V::value_type, float>) {
-      // Elementwise: 2W values a step as even / odd halves, which need no shuffle to widen or
-      // narrow (cpu::load_bf16_pairs); the shuffle port bounded this pass.
-      for (; c0 + 2 * W <= d.F; c0 += 2 * W) {
-        V he, ho;
-        cpu::load_bf16_pairs<W>(pr + c0, he, ho);
-        V fe = act_vec(act.act, he, static_cast<V*>(nullptr));
-        V fo = act_vec(act.act, ho, static_cast<V*>(nullptr));
-        if (act.gated) {
-          V ue, uo;
-          cpu::load_bf16_pairs<W>(pr + d.F + c0, ue, uo);
-          fe = fe * ue;
-          fo = fo * uo;
-        }
-        cpu::store_bf16_pairs<W>(fe, fo, ar + c0);
+    // Elementwise: 2W values a step (cpu::load_pair_as: bfloat16 as even / odd halves, which need
+    // no shuffle to widen or narrow; the shuffle port bounded this pass).
+    for (; c0 + 2 * W <= d.F; c0 += 2 * W) {
+      V he, ho;
+      cpu::load_pair_as(pr + c0, he, ho);
+      V fe = act_vec(act.act, he, static_cast<V*>(nullptr));
+      V fo = act_vec(act.act, ho, static_cast<V*>(nullptr));
+      if (act.gated) {
+        V ue, uo;
+        cpu::load_pair_as(pr + d.F + c0, ue, uo);
+        fe = fe * ue;
+        fo = fo * uo;
       }
+      cpu::store_pair_as(fe, fo, ar + c0);
     }
     for (int64_t c = c0; c < d.F; c += W) {
       const int64_t n = std::min<int64_t>(W, d.F - c);

@@ -153,8 +153,9 @@ FASTATTN_INLINE void softmax_fwd_rows(const FwdArgs<T>& p, int64_t r0, int64_t r
   std::vector<A> buf(std::max<int64_t>(N, 1));
   A* s = buf.data();
   const V sv(p.scale);
-  for (RowIndex at(p.xr, r0); r0 < r1; ++r0, at.next(p.xr)) {
-    const int64_t row = r0, i = at.i;
+  RowIndex at(p.xr, r0);
+  for (int64_t row = r0; row < r1; ++row, at.next(p.xr)) {
+    const int64_t i = at.i;
     const int64_t n = p.causal ? std::min<int64_t>(N, i + 1) : N;
     const T* x = p.x + at.offset(p.xr);
     T* y = p.y + row * N;
@@ -190,8 +191,8 @@ FASTATTN_INLINE void softmax_bwd_rows(const BwdArgs<T>& p, int64_t r0, int64_t r
   // buffer), dx rounded once. Both passes are order-free (a sum, then elementwise), so whole
   // 2W-value blocks go as cpu::load_pair_as / store_pair_as: bfloat16 without a shuffle (the
   // widening loads bounded the bfloat16 backward at 4x8x256x128, 1.6x torch's time).
-  for (RowIndex at(p.yr, r0); r0 < r1; ++r0, at.next(p.yr)) {
-    const int64_t row = r0;
+  RowIndex at(p.yr, r0);
+  for (int64_t row = r0; row < r1; ++row, at.next(p.yr)) {
     const T* y = p.y + at.offset(p.yr);
     const T* dy = p.dy + at.offset(p.dyr);
     V a0(A(0)), a1(A(0));

@@ -94,7 +94,7 @@ constexpr int64_t kGemmDepth = 64;
 template <class A>
 constexpr int64_t gemm_ld(int64_t n) {
   constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(A));
-  const int64_t ld = (n + line - 1) / line * line;
+  const int64_t ld = round_up(n, line);
   return (ld * static_cast<int64_t>(sizeof(A))) % 512 == 0 ? ld + line : ld;
 }
 

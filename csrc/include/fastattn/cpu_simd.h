@@ -692,8 +692,8 @@ FASTATTN_INLINE void convert_to_acc(const T* src, A* dst, int64_t n) {
 template <class T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+constexpr int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 }  // namespace cpu
 }  // namespace fastattn
