@@ -161,10 +161,16 @@ def test_selection_compiles_without_graph_breaks(name, monkeypatch):
     yet remembered): each backend's availability check is read as a constant, not traced (an
     H100, torch 2.11, 2026-11-27: tracing the Triton check broke every fullgraph compile of a
     Triton op; here, torch 2.13 could not trace its environment read either)."""
-    x = torch.randn(3)
     asked = None if name == "auto" else name
     if asked is not None and asked not in fastattn.available_backends():
         pytest.skip(f"{name} unavailable here")
+    # on a device the backend runs on (cuda takes no CPU tensors: an H100, 2026-11-27)
+    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    device = next((d for d in devices if asked is None or backends._REGISTRY[asked].refuses(
+        "layer_norm", torch.device(d), torch.float32, {}, ()) is None), None)
+    if device is None:
+        pytest.skip(f"{name} runs on none of {devices} here")
+    x = torch.randn(3, device=device)
     monkeypatch.setattr(backends, "_CHOSEN", {})
     torch._dynamo.reset()
 
