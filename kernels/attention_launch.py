@@ -208,7 +208,7 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
     kernel = torch.library.wrap_triton(_attn_fwd_kernel)[grid]
 
     def launch(use_tma):
-        kernel(*args, USE_TMA=use_tma, **consts)
+        kernel(*args, USE_TMA=use_tma, FIXUP=False, **consts)
         if use_tma and _picked_warp_specialized():
             _fwd_fixup(args, consts, tuning.cdiv(Lq, 64) * B * H)
 

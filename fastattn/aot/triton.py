@@ -430,6 +430,13 @@ def _bind(launch, config, target):
     if unknown:
         raise KeyError(f"{fn.fn.__name__}: keyword argument(s) {unknown} are neither "
                        f"parameters of the kernel nor compile options ({launch.case})")
+    # torch.compile (Inductor) compiles a wrap_triton launch from the arguments it names and
+    # leaves a parameter's default out: FIXUP's was missing (an H100, 2026-11-27, session 23)
+    named = set(kwargs) | {p.name for p in fn.params[:len(launch.args)]}
+    defaulted = [p.name for p in fn.params if p.name not in named]
+    if defaulted:
+        raise KeyError(f"{fn.fn.__name__}: the launch leaves {defaulted} to their defaults, "
+                       f"which torch.compile does not fill in: pass them ({launch.case})")
     return (fn, kwargs, backend, *bound)
 
 
