@@ -26,7 +26,8 @@ import shutil
 import subprocess
 import tempfile
 
-from fastattn.aot.report import Row, parse_ptxas, sass_digest, sass_features, sass_of
+from fastattn.aot.report import (Row, parse_ptxas, sass_digest, sass_features, sass_of,
+                                  undefined_uniform_reads)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = "sm_90a"
@@ -162,6 +163,7 @@ def compile_file(source: str, out_dir: str, archs: tuple[str, ...]) -> list[Row]
             regs=res["regs"], spill_stores=res["spill_stores"], spill_loads=res["spill_loads"],
             smem=res["smem"] + dyn, features=sass_features(sass.get(mangled, "")),
             digest=sass_digest(sass.get(mangled, "")),
+            undefined=undefined_uniform_reads(sass.get(mangled, "")),
             spill_budget=rule.spill_budget, required=rule.required, forbidden=rule.forbidden,
             error="" if mangled in sass else "no sm_90a SASS found for this function"))
     return rows

@@ -3,7 +3,8 @@
 One :class:`Row` per compiled kernel variant (a Triton launch x autotune config, or a CUDA
 ``__global__`` instantiation): its resources from ``ptxas -v`` (registers, spill bytes, shared
 memory), the instructions its SASS holds that matter for speed on Hopper, and whether it passed:
-it compiled, and its spills are within the budget stated for it.
+it compiled, its spills are within the budget stated for it, and its SASS reads no uniform
+register that it never wrote (:func:`undefined_uniform_reads`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Row:
     smem_limit: int = 0              # bytes of shared memory a block may have (0: unchecked)
     error: str = ""              # compile error, empty when it compiled
     digest: str = ""             # hash of the SASS instructions: equal digests, same machine code
+    undefined: tuple[str, ...] = ()  # uniform registers read before written (a ptxas bug)
 
     @property
     def spills(self) -> int:
@@ -66,6 +68,8 @@ class Row:
         missing = [f for f in self.required if f not in self.features]
         if missing:
             found.append(f"SASS lacks {', '.join(missing)}")
+        if self.undefined:
+            found.append(f"SASS reads {', '.join(self.undefined)} before writing them")
         held = [f for f in self.forbidden if f in self.features]
         if held:
             found.append(f"SASS holds {', '.join(held)}")
@@ -157,6 +161,60 @@ def sass_features(sass: str) -> tuple[str, ...]:
                              sass))
     return tuple(sorted({name for op in opcodes for prefix, name in SASS_FEATURES.items()
                          if op == prefix or op.startswith(prefix + ".")}))
+
+
+_SASS_INSTR = re.compile(r"/\*([0-9a-f]{3,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.\w+)*)\s*([^;]*);")
+#: opcodes (before the first ".") whose first operand, even a bare URn, is read: the others write
+#: a bare URn in first place (stores and copies name memory there, compares a predicate)
+_READS_FIRST = {"HGMMA", "UTMALDG", "UTMASTG", "UTMAPF", "UBLKCP", "ST", "STS", "STG", "STL",
+                "RED", "REDG", "SYNCS", "BRA", "BRX", "JMP", "CALL", "RET"}
+
+
+def undefined_uniform_reads(sass: str) -> tuple[str, ...]:
+    """Uniform registers (``URn``) that an instruction reads before any instruction at a lower
+    address has written them: values the kernel never computed, whatever the last kernel left.
+
+    ptxas 12.8 (Triton 3.6's) does this for some pipelined attention forwards on sm_90a: the
+    shared-memory descriptor of the P@V wgmma is built on such a register, and on an H100 the
+    wgmma read out of shared memory's range on some launches (compute-sanitizer: "Out-of-range
+    shared or local address" at that HGMMA; 2026-11-27, session 23). ptxas 13.0 builds the same PTX
+    without it. Address order stands in for control flow: the code before a kernel's first loop
+    is straight, which is where such a read shows; a write placed after a loop that jumps back to
+    it would read as a false alarm, which a gate case would show by name. Read as writes: the
+    pairs of .64 and .WIDE ops, R2UR's register after its predicate, predicated writes (ptxas
+    pairs them with reads under the same predicate) and, after a CALL, every register (the
+    subroutine's writes are not followed). A wgmma reads its B descriptor from URn+2:URn+3 of
+    ``gdesc[URn]``, and A's from URn:URn+1 unless A is in registers."""
+    written: set[int] = set()
+    found: list[str] = []
+    for _pc, _pred, op, operands in _SASS_INSTR.findall(sass):
+        ops = [o.strip() for o in operands.split(",")] if operands.strip() else []
+        dest = ops[0] if ops and op.split(".")[0] not in _READS_FIRST else None
+        if op.startswith("R2UR") and len(ops) > 2 and re.fullmatch(r"U?P\d+|U?PT", ops[0]):
+            ops, dest = ops[1:], ops[1]  # R2UR P0, UR13, R32: a predicate, then the register
+        # .64 ops read and write register pairs; .WIDE multiplies write a pair and add one
+        wide = 2 if ".64" in op or ".WIDE" in op else 1
+        sources = ops if dest is None else ops[1:]
+        for i, o in enumerate(sources):
+            pair = ".64" in op or (".WIDE" in op and i == len(sources) - 1)
+            reads = []
+            for n in map(int, re.findall(r"\bUR(\d+)\b", o)):
+                if o.startswith("gdesc["):
+                    # a wgmma's descriptors: A's in URn:URn+1 (unused when A is in registers,
+                    # the operand before), B's in URn+2:URn+3
+                    a_in_registers = i > 0 and re.fullmatch(r"R\d+", sources[i - 1])
+                    reads += range(n + 2 if a_in_registers else n, n + 4)
+                else:
+                    reads += range(n, n + (2 if pair and re.fullmatch(r"UR\d+", o) else 1))
+            for r in reads:
+                if r not in written and f"UR{r}" not in found:
+                    found.append(f"UR{r}")
+        if op.startswith("CALL"):  # a subroutine (64-bit division) returns in registers it
+            written.update(range(64))  # writes further down; what it writes is not followed
+        m = re.fullmatch(r"UR(\d+)", dest or "")
+        if m:  # predicated writes count: ptxas pairs them with reads under the same predicate
+            written.update(range(int(m.group(1)), int(m.group(1)) + wide))
+    return tuple(found)
 
 
 def print_table(rows: list[Row], title: str = "") -> None:

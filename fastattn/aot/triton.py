@@ -30,7 +30,8 @@ from typing import Callable
 
 import torch
 
-from fastattn.aot.report import Row, parse_ptxas, sass_digest, sass_features, sass_of
+from fastattn.aot.report import (Row, parse_ptxas, sass_digest, sass_features, sass_of,
+                                  undefined_uniform_reads)
 
 H100 = {"capability": (9, 0), "sms": 132, "shared_bytes": 227 * 1024}
 
@@ -518,6 +519,7 @@ def compile_variant(launch, config, target=H100):
     sass = sass_of(kernel.asm["cubin"])
     text = sass.get(kernel.metadata.name, "\n".join(sass.values()))
     row.features, row.digest = sass_features(text), sass_digest(text)
+    row.undefined = undefined_uniform_reads(text)
     return row
 
 
