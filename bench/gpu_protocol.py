@@ -230,14 +230,9 @@ CALLS: dict[str, list[Step | Lanes]] = {
         Lanes([[s] for s in _smokes("cuda")]),
         _CUDA_TESTS,
     ],
-    # 2. The rest of the suite's GPU cases, right after "check" (warm: the build is kept):
-    #    varlen, paged, JVP, the models and the Hugging Face swaps, never all run on a GPU yet;
-    #    then (3.) the per-op files' GPU cases. Correctness before the counters.
-    #    Beside them, what decides why an error raised in C++ crashed a worker.
-    "rest": [_INSTALL, _WARM_BUILD,
-             Lanes([[_rest("rest", 300, exclude=_OP_TESTS)], [_CXX_BUILDS], _TRITON_FAULT])],
-    "rest-ops": [_INSTALL, _WARM_BUILD, _rest("rest-ops", 340, files=_OP_TESTS)],
-    # 4. The quick benchmark, warm (the build is kept):
+    # 2. The quick benchmark, right after "check", warm (the build is kept): first since
+    #    session 23, when the rest of the suite had run to its end twice (sessions 20, 23) and
+    #    the cuda attention's speed had waited six leases:
     #    host vs kernel time of the small ops; softmax and layer norm bandwidth; attention D128
     #    then D64, L 1k-16k, fwd and fwd+bwd, causal and not, bf16, against each SDPA backend
     #    (FlexAttention and torch.compile compile every shape: they are in "full"). Autotuned:
@@ -263,6 +258,13 @@ CALLS: dict[str, list[Step | Lanes]] = {
         Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
                                  "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 70),
     ],
+    # 3. The rest of the suite's GPU cases, warm (the build is kept):
+    #    varlen, paged, JVP, the models and the Hugging Face swaps, never all run on a GPU yet;
+    #    then the per-op files' GPU cases.
+    #    Beside them, what decides why an error raised in C++ crashed a worker.
+    "rest": [_INSTALL, _WARM_BUILD,
+             Lanes([[_rest("rest", 300, exclude=_OP_TESTS)], [_CXX_BUILDS], _TRITON_FAULT])],
+    "rest-ops": [_INSTALL, _WARM_BUILD, _rest("rest-ops", 340, files=_OP_TESTS)],
     # 4b. The quick numbers the other issues ask of a GPU: decode on a paged cache (L 4k and
     #    32k, batch 1 and 64: the fraction of copy bandwidth, target >= 85% at L >= 8k), packed
     #    varlen against padded SDPA, the JVP against torch's math-path JVP (and the forward);
@@ -436,9 +438,11 @@ def dry_run(calls: list[str]) -> int:
 
 def plan() -> None:
     print("One device call per line, in this order (each ends by itself within its budget); a "
-          "15-minute lease fits the first two, best as one command, `check rest`, with "
-          "timeout_s 595: no idle gap between them (2026-11-27, session 20: the two in 417 s, "
-          "then rest-ops at once, 365 s; each session's machine started in under a minute):")
+          "15-minute lease fits the first two, back to back (a machine stays warm 30 s): "
+          "`check` (timeout_s 480; ~345 s on 2026-11-27), then at once `bench` (timeout_s: "
+          "what the lease has left less 20 s; 257-296 s before). `rest` and `rest-ops` follow in the next lease (472 s and 229 s "
+          "on 2026-11-27, session 23: `check rest` as one command, then `rest-ops`); each "
+          "session's machine started in under a minute:")
     for i, call in enumerate([c for c in CALLS if c not in RERUNS], 1):
         print(f"  {i}. python bench/gpu_protocol.py {call:9} ~{budget(call) // 60 + 1} min at most")
     print("To rerun a part of check: " + ", ".join(
