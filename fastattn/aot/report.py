@@ -155,15 +155,18 @@ def sass_digest(sass: str) -> str:
     return hashlib.sha1("\n".join(" ".join(c.split()) for c in code).encode()).hexdigest()[:12]
 
 
+#: one SASS instruction: address, predicate, opcode with its modifiers, operands
+_SASS_INSTR = re.compile(r"/\*([0-9a-f]{3,})\*/\s+(@!?U?P\w+\s+)?"
+                         r"([A-Z][A-Z0-9_]*(?:\.\w+)*)\s*([^;]*);")
+
+
 def sass_features(sass: str) -> tuple[str, ...]:
     """The :data:`SASS_FEATURES` whose opcodes occur in ``sass``, sorted."""
-    opcodes = set(re.findall(r"/\*[0-9a-f]{3,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.\w+)*)",
-                             sass))
+    opcodes = {op for _, _, op, _ in _SASS_INSTR.findall(sass)}
     return tuple(sorted({name for op in opcodes for prefix, name in SASS_FEATURES.items()
                          if op == prefix or op.startswith(prefix + ".")}))
 
 
-_SASS_INSTR = re.compile(r"/\*([0-9a-f]{3,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.\w+)*)\s*([^;]*);")
 #: opcodes (before the first ".") whose first operand, even a bare URn, is read: the others write
 #: a bare URn in first place (stores and copies name memory there, compares a predicate)
 _READS_FIRST = {"HGMMA", "UTMALDG", "UTMASTG", "UTMAPF", "UBLKCP", "ST", "STS", "STG", "STL",
