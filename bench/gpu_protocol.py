@@ -440,8 +440,9 @@ def plan() -> None:
     print("One device call per line, in this order (each ends by itself within its budget); a "
           "15-minute lease fits the first two, back to back (a machine stays warm 30 s): "
           "`check` (timeout_s 480; ~345 s on 2026-11-27), then at once `bench` (timeout_s: "
-          "what the lease has left less 20 s; 257-296 s before). `rest` and `rest-ops` follow in the next lease (472 s and 229 s "
-          "on 2026-11-27, session 23: `check rest` as one command, then `rest-ops`); each "
+          "what the lease has left less 20 s; 257-296 s before). `rest` and `rest-ops` follow "
+          "in the next lease (472 s and 229 s on 2026-11-27, session 23: `check rest` as one "
+          "command, then `rest-ops`); each "
           "session's machine started in under a minute:")
     for i, call in enumerate([c for c in CALLS if c not in RERUNS], 1):
         print(f"  {i}. python bench/gpu_protocol.py {call:9} ~{budget(call) // 60 + 1} min at most")

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -21,8 +22,9 @@ static int failures = 0;
 template <class A>
 void check_ld() {
   for (int64_t n = 1; n <= 1024; ++n) {
+    const int64_t line = 64 / static_cast<int64_t>(sizeof(A));
     const int64_t ld = cpu::gemm_ld<A>(n), bytes = ld * static_cast<int64_t>(sizeof(A));
-    if (ld < n || bytes % 64 != 0 || bytes % 512 == 0 || ld > n + 2 * 64 / static_cast<int64_t>(sizeof(A))) {
+    if (ld < n || bytes % 64 != 0 || bytes % 512 == 0 || ld > n + 2 * line) {
       if (++failures <= 10) std::printf("gemm_ld<%zu-byte>(%ld) = %ld\n", sizeof(A), n, ld);
     }
   }

@@ -82,21 +82,21 @@ def test_gate_fails_sass_that_reads_a_uniform_register_never_written():
     (2026-11-27). The lines below are that kernel's, shortened; writes by .64 and .WIDE ops
     define pairs, predicated writes count, and an HGMMA's first operand is read, not written."""
     from fastattn.aot.report import undefined_uniform_reads
-    faulty = ("        /*0050*/                   ULDC.64 UR44, c[0x0][0x240] ;\n"
-              "        /*0110*/                   UIMAD.WIDE.U32 UR4, UR8, UR44, URZ ;\n"
-              "        /*0160*/                   UIADD3 UR10, UR5, UR45, URZ ;\n"
-              "        /*0170*/              @!UP0 USHF.L.U32 UR17, UR10, 0xb, URZ ;\n"
-              "        /*0180*/              @!UP0 IMAD.U32 R3, RZ, RZ, UR17 ;\n"
-              "        /*2f20*/                   UIADD3 UR46, UP0, UR46, 0x20, URZ ;\n"
-              "        /*2f70*/                   UIADD3.X UR47, UR47, -0x3ffffff0, URZ, UP0, !UPT ;\n"
-              "        /*95b0*/                   HGMMA.64x16x16.F32.BF16 R56, R40, gdesc[UR44].tnspB, R56, gsb0 ;\n")
+    faulty = ("  /*0050*/ ULDC.64 UR44, c[0x0][0x240] ;\n"
+              "  /*0110*/ UIMAD.WIDE.U32 UR4, UR8, UR44, URZ ;\n"
+              "  /*0160*/ UIADD3 UR10, UR5, UR45, URZ ;\n"
+              "  /*0170*/ @!UP0 USHF.L.U32 UR17, UR10, 0xb, URZ ;\n"
+              "  /*0180*/ @!UP0 IMAD.U32 R3, RZ, RZ, UR17 ;\n"
+              "  /*2f20*/ UIADD3 UR46, UP0, UR46, 0x20, URZ ;\n"
+              "  /*2f70*/ UIADD3.X UR47, UR47, -0x3ffffff0, URZ, UP0, !UPT ;\n"
+              "  /*95b0*/ HGMMA.64x16x16.F32.BF16 R56, R40, gdesc[UR44].tnspB, R56, gsb0 ;\n")
     assert undefined_uniform_reads(faulty) == ("UR8", "UR46", "UR47")
-    fixed = "        /*0010*/                   S2UR UR8, SR_CTAID.X ;\n" + faulty.replace(
+    fixed = "  /*0010*/ S2UR UR8, SR_CTAID.X ;\n" + faulty.replace(
         "UIADD3 UR46, UP0, UR46", "UIADD3 UR46, UP0, UR4").replace("UR47, UR47", "UR47, UR5")
     assert undefined_uniform_reads(fixed) == ()
     # a subroutine call (the CUDA softmax's 64-bit division) returns in registers it writes
-    called = ("        /*0150*/                   CALL.REL.NOINC 0x7f60 ;\n"
-              "        /*0160*/                   UIADD3 UR7, UP0, URZ, -UR9, URZ ;\n")
+    called = ("  /*0150*/ CALL.REL.NOINC 0x7f60 ;\n"
+              "  /*0160*/ UIADD3 UR7, UP0, URZ, -UR9, URZ ;\n")
     assert undefined_uniform_reads(called) == ()
     assert undefined_uniform_reads(called.replace("CALL.REL.NOINC 0x7f60", "NOP")) == ("UR9",)
     row = Row(kernel="_attn_fwd_kernel", case="", undefined=undefined_uniform_reads(faulty))

@@ -330,9 +330,9 @@ void pack_transposed(const T* src, Strided4 s, int64_t B, int64_t heads, int64_t
 // The forward's three packings in one pass: q as pack_rows (times scale, row length D), k as
 // pack_transposed (tiles of `tile` keys, but rows ldk apart: D x ldk values a tile), v as
 // pack_rows (row length Dvp). A task (b, h, tile t) packs q's rows of tile t and, for the first
-// query head of each kv head, k's and v's rows of the same tile, token by token: where q, k and v are views of one qkv tensor (self-attention
-// after one projection) that is one sequential stream, where three passes each read a third of
-// every token at the token's stride.
+// query head of each kv head, k's and v's rows of the same tile, token by token: where q, k and v
+// are views of one qkv tensor (self-attention after one projection) that is one sequential
+// stream, where three passes each read a third of every token at the token's stride.
 template <class T, class A>
 void pack_qkv(const T* q, Strided4 qs, const T* k, Strided4 ks, const T* v, Strided4 vs,
               const Shape& sh, int64_t tile, int64_t ldk, A scale, A* qp, A* kt, A* vp,

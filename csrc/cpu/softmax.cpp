@@ -48,7 +48,8 @@ struct Rows4 {
 // tensor per row were about a quarter of the bfloat16 backward at 4x8x256x128).
 struct RowIndex {
   int64_t a, b, i;
-  RowIndex(const Rows4& r, int64_t row) : a(row / r.Lq / r.L1), b(row / r.Lq % r.L1), i(row % r.Lq) {}
+  RowIndex(const Rows4& r, int64_t row)
+      : a(row / r.Lq / r.L1), b(row / r.Lq % r.L1), i(row % r.Lq) {}
   int64_t offset(const Rows4& r) const { return a * r.s0 + b * r.s1 + i * r.s2; }
   void next(const Rows4& r) {
     if (++i == r.Lq) {
