@@ -9,14 +9,15 @@ returns what it did. The plan, in the order a session runs it::
     python bench/gpu_protocol.py plan              # the calls and their budgets
     python bench/gpu_protocol.py check             # call 1: Triton tests while the extension
                                                    #   builds, then the CUDA kernels' tests
-    python bench/gpu_protocol.py rest              # call 2, at once (warm: the build is kept):
-                                                   #   the rest of the suite's GPU cases
-    python bench/gpu_protocol.py rest-ops          # later calls, as time allows: the per-op
-    python bench/gpu_protocol.py bench             #   test files' GPU cases, the quick
-    python bench/gpu_protocol.py bench-ops         #   benchmark, decode / varlen / JVP, the
-                                                   #   cuda forward's 32-row config,
-    python bench/gpu_protocol.py profile           #   ncu on the attention kernels, the full
+    python bench/gpu_protocol.py profile           # call 2, at once (warm: the build is kept):
+                                                   #   ncu on the attention kernels, the cuda
+                                                   #   forward's 16 against 32 rows a warp
+    python bench/gpu_protocol.py bench             # later leases, after check again: the
+    python bench/gpu_protocol.py rest              #   quick benchmark, the rest of the suite's
+    python bench/gpu_protocol.py rest-ops          #   GPU cases, the per-op test files' GPU
+    python bench/gpu_protocol.py bench-ops         #   cases, decode / varlen / JVP, the full
     python bench/gpu_protocol.py full              #   benchmark grid
+    python bench/gpu_protocol.py rows              # a lease's last ~90 s, warm
     python bench/gpu_protocol.py --dry-run all     # print every step; run nothing (CI runs it)
 
 ``triton``, ``cuda`` and ``sanitize`` are parts of check, to rerun one. Each call
@@ -215,9 +216,14 @@ _TRITON_FAULT = [
 _SANITIZE = [Step(tool, ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", PY,
                          "bench/sanitize_cuda.py"], 30) for tool in ("memcheck", "racecheck")]
 
+# The cuda forward on 16 against 32 rows a warp, alternating in one process: in "profile", and
+# alone as "rows", the call for a lease's last two minutes (warm).
+_CUDA_FWD_ROWS = Step("cuda-fwd-rows", [PY, "bench/cuda_fwd_rows.py", "--json",
+                                        "{out}/cuda-fwd-rows.json"], 60)
+
 # The calls, in the order a session makes them; each one's steps fit CALL_BUDGET_S. A 15-minute
-# lease makes "check" then "rest" back to back (the machine stays warm 30 s); longer ones go on
-# with "rest-ops", "bench", "profile" and "full".
+# lease makes "check" then "profile" back to back (the machine stays warm 30 s); the next lease
+# goes on with "check" again, then "bench", and so on.
 CALLS: dict[str, list[Step | Lanes]] = {
     # 1. Correctness of both GPU backends in one call: the Triton kernels on the GPU while the
     #    extension builds on the CPUs (then compute-sanitizer runs the CUDA kernels), then the
@@ -230,63 +236,61 @@ CALLS: dict[str, list[Step | Lanes]] = {
         Lanes([[s] for s in _smokes("cuda")]),
         _CUDA_TESTS,
     ],
-    # 2. The quick benchmark, right after "check", warm (the build is kept): first since
-    #    session 23, when the rest of the suite had run to its end twice (sessions 20, 23) and
-    #    the cuda attention's speed had waited six leases:
-    #    host vs kernel time of the small ops; softmax and layer norm bandwidth; attention D128
-    #    then D64, L 1k-16k, fwd and fwd+bwd, causal and not, bf16, against each SDPA backend
-    #    (FlexAttention and torch.compile compile every shape: they are in "full"). Autotuned:
-    #    check's every-config test has put the kernels in Triton's cache; a step cut short
-    #    keeps the cases it finished (--json is written after each).
+    # 2. Why the attention kernels run as they do, second since session 24: three leases had
+    #    timed the cuda attention at 0.19-0.29 of cuDNN (gpu-notes) and none had reached this.
+    #    Nsight Compute's counters for one fwd+bwd of cuda, cuda-rows32 and triton at L4k,
+    #    D64/D128, causal or not (bench/profile_attention.py), then the cuda forward on 16
+    #    against 32 rows a warp, alternating in one process (bench/cuda_fwd_rows.py).
+    "profile": [
+        _INSTALL, _WARM_BUILD,
+        Step("ncu-attention", [PY, "bench/profile_attention.py", "--out", "{out}"], 240),
+        _CUDA_FWD_ROWS,
+    ],
+    # 3. The quick benchmark, warm (the build is kept): host vs kernel time of the small ops
+    #    and of the attention at L1k; attention D64 and D128 against each SDPA backend, fwd
+    #    and fwd+bwd, causal and not, bf16, at the lengths no run has reached yet (runs 2, 3
+    #    and 7 each timed D128 L1k-4k and D64 L1k, the same within 1-3%, and were cut there);
+    #    softmax and layer norm bandwidth. FlexAttention and torch.compile compile every
+    #    shape: they are in "full". A step cut short keeps the cases it finished (--json is
+    #    written after each).
     "bench": [
         _INSTALL, _WARM_BUILD,
-        # (the H100, 2026-11-26: bandwidth 36 s of softmax, its torch.compile peers included,
-        # then layer norm cut at 60 s; D128 118 s; D64 autotunes, ~20 s a case: 3 of 12 in 100 s)
-        # Host time against kernel time of the small ops first, before anything compiles: that
-        # run timed a 6-12 us layer norm at 300 us, its host busy (bench/host_overhead.py).
+        # Host time against kernel time first, the small ops before anything compiles (a 6-12
+        # us layer norm was timed at 300 us, its host busy), then the attention at L1k (the
+        # Triton D128 causal forward: 0.25 ms in runs 2-3, 0.43 in run 7, same config): 28 s
+        # for the small ops on 2026-11-27; the attention autotunes.
         Step("host-overhead", [PY, "bench/host_overhead.py", "--json", "{out}/host-overhead.json"],
-             60),
-        # D64 before D128, at L1k and 4k: its L1k causal forward was slow and spread on
-        # 2026-11-26, and its autotuning takes 17-25 s a case (2 of 12 cases in 60 s on the
-        # second run); D128 took 118 s both runs; bandwidth last (63 s): host-overhead times
-        # those ops too.
-        Step("bench-attention-d64", [*_CLI, "bench", *_QUICK_BENCH, "--seq", "1024,4096", "--d",
-                                     "64", "--no-compile", "--json",
+             100),
+        # D64 autotunes at 20-35 s a case at L1k (run 7: 3 of 8 cases in 100 s); D128 L4k
+        # cases took 3-6 s; the L16k ones time torch's math path over 16k x 16k scores.
+        Step("bench-attention-d64", [*_CLI, "bench", *_QUICK_BENCH, "--seq", "4096,16384",
+                                     "--d", "64", "--no-compile", "--json",
                                      "{out}/bench-attention-d64.json"], 100),
-        Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--d", "128", "--no-compile",
-                                      "--json", "{out}/bench-attention-d128.json"], 120),
+        Step("bench-attention-d128", [*_CLI, "bench", *_QUICK_BENCH, "--seq", "16384", "--d",
+                                      "128", "--no-compile", "--json",
+                                      "{out}/bench-attention-d128.json"], 80),
+        # (58 s of measurements in run 7, cut at 70 s after them: the write and exit)
         Step("bench-bandwidth", [*_CLI, "bench", "--op", "softmax,layer_norm", "--quick",
                                  "--budget", "0.1", "--json", "{out}/bench-bandwidth.json"], 70),
     ],
-    # 3. The rest of the suite's GPU cases, warm (the build is kept):
+    # 4. The rest of the suite's GPU cases, warm (the build is kept):
     #    varlen, paged, JVP, the models and the Hugging Face swaps, never all run on a GPU yet;
     #    then the per-op files' GPU cases.
     #    Beside them, what decides why an error raised in C++ crashed a worker.
     "rest": [_INSTALL, _WARM_BUILD,
              Lanes([[_rest("rest", 300, exclude=_OP_TESTS)], [_CXX_BUILDS], _TRITON_FAULT])],
     "rest-ops": [_INSTALL, _WARM_BUILD, _rest("rest-ops", 340, files=_OP_TESTS)],
-    # 4b. The quick numbers the other issues ask of a GPU: decode on a paged cache (L 4k and
+    # 5. The quick numbers the other issues ask of a GPU: decode on a paged cache (L 4k and
     #    32k, batch 1 and 64: the fraction of copy bandwidth, target >= 85% at L >= 8k), packed
-    #    varlen against padded SDPA, the JVP against torch's math-path JVP (and the forward);
-    #    the cuda forward's 32-row config against the default. Warm; autotuned where the op
-    #    is; no torch.compile peers.
+    #    varlen against padded SDPA, the JVP against torch's math-path JVP (and the forward).
+    #    Warm; autotuned where the op is; no torch.compile peers.
     "bench-ops": [
         _INSTALL, _WARM_BUILD,
         *(Step(f"bench-{op}", [*_CLI, "bench", "--op", op, "--quick", "--budget", "0.1",
                                "--no-compile", "--json", f"{{out}}/bench-{op}.json"], seconds)
           for op, seconds in (("decode", 70), ("varlen", 110), ("jvp", 100))),
-        # The cuda forward on 16 against 32 rows a warp, alternating in one process (the FFN's
-        # GPU numbers are in "full").
-        Step("cuda-fwd-rows", [PY, "bench/cuda_fwd_rows.py", "--json", "{out}/cuda-fwd-rows.json"],
-             60),
     ],
-    # 5. Why the attention kernels run as they do: Nsight Compute's counters for one fwd+bwd of
-    #    each backend at L4k, D64/D128, causal or not (bench/profile_attention.py).
-    "profile": [
-        _INSTALL, _WARM_BUILD,
-        Step("ncu-attention", [PY, "bench/profile_attention.py", "--out", "{out}"], 240),
-    ],
-    # 6. When a session has time left: the full grid, and the Triton pointer path beside the
+    # 7. When a session has time left: the full grid, and the Triton pointer path beside the
     #    descriptor path.
     "full": [
         _INSTALL,
@@ -305,6 +309,10 @@ CALLS["triton"] = [_INSTALL, _VERSIONS, _TRITON_INFO, *_smokes("triton"), *_TRIT
 CALLS["cuda"] = [_INSTALL, _BUILD, _CUDA_INFO, *_smokes("cuda"), _CUDA_TESTS]
 CALLS["sanitize"] = [_INSTALL, _BUILD, *_SANITIZE]
 RERUNS = ("triton", "cuda", "sanitize")
+# A lease's last minutes, warm (~80 s): what is still unmeasured and short, never a hand-typed
+# command (run 7 lost 134 s to one: a `pip install -e .` that rebuilt the extension).
+CALLS["rows"] = [_INSTALL, _WARM_BUILD, _CUDA_FWD_ROWS]
+SPARE = ("rows",)
 
 
 def _flat(stage: Step | Lanes) -> list[Step]:
@@ -439,13 +447,14 @@ def dry_run(calls: list[str]) -> int:
 def plan() -> None:
     print("One device call per line, in this order (each ends by itself within its budget); a "
           "15-minute lease fits the first two, back to back (a machine stays warm 30 s): "
-          "`check` (timeout_s 480; ~345 s on 2026-11-27), then at once `bench` (timeout_s: "
-          "what the lease has left less 20 s; 257-296 s before). `rest` and `rest-ops` follow "
-          "in the next lease (472 s and 229 s on 2026-11-27, session 23: `check rest` as one "
-          "command, then `rest-ops`); each "
-          "session's machine started in under a minute:")
-    for i, call in enumerate([c for c in CALLS if c not in RERUNS], 1):
+          "`check` (timeout_s 480; 292-345 s on 2026-11-27), then at once the first call no "
+          "run has finished (timeout_s: what the lease has left less 20 s). A later lease runs "
+          "`check` again, then the next one. Each session's machine started in under a minute:")
+    for i, call in enumerate([c for c in CALLS if c not in RERUNS + SPARE], 1):
         print(f"  {i}. python bench/gpu_protocol.py {call:9} ~{budget(call) // 60 + 1} min at most")
+    print("With 90-200 s left, warm: " + ", ".join(
+        f"python bench/gpu_protocol.py {c} (~{budget(c) // 60 + 1} min at most; cold it builds)"
+        for c in SPARE) + ". Never a hand-typed command: its mistakes cost the lease.")
     print("To rerun a part of check: " + ", ".join(
         f"python bench/gpu_protocol.py {c} (~{budget(c) // 60 + 1} min)" for c in RERUNS))
     print("Then unpack $OUT/<call>.tgz under bench/results/, run python bench/summarize.py, "

@@ -1,4 +1,5 @@
-"""Host time per call against kernel time, for the small memory-bound ops (GPU only).
+"""Host time per call against kernel time, for the small memory-bound ops and the attention at
+L1k (GPU only).
 
 Why: on the H100 (2026-11-26) ``fastattn bench`` timed the Triton layer norm at 4096x1024 bf16 at
 0.30 ms, 20 times torch's, and slower than at 4096x4096; its softmax backward at 6-8 times its
@@ -68,11 +69,27 @@ def _cases(dtype):
             return torch.softmax(x * 0.125 + (0 if mask is None else mask), dim=-1)
         out.append((f"softmax {'x'.join(map(str, shape))}{' bias' if bias else ''}", make, {
             "fastattn-triton": sm("triton"), "fastattn-cuda": sm("cuda"), "torch": eager}))
+    # Attention at L1k, last (its first calls autotune and compile): the Triton D128 causal
+    # forward took 0.434 ms with a wide spread on 2026-11-27, 0.25 on 2026-11-26 with the same
+    # config, the D64 causal one 0.57-0.65; is its host path longer than its kernel?
+    for (B, H, D), causal in (((16, 16, 128), False), ((16, 16, 128), True), ((16, 32, 64), True)):
+        def make(B=B, H=H, D=D):
+            return tuple(torch.randn(B, H, 1024, D, device="cuda", dtype=dtype, requires_grad=True)
+                         for _ in range(3))
+
+        def at(backend, causal=causal):
+            return lambda q, k, v: fastattn.attention(q, k, v, causal=causal, backend=backend)
+        out.append((f"attention {B}x{H}x1024x{D}{' causal' if causal else ''}", make, {
+            "fastattn-triton": at("triton"), "fastattn-cuda": at("cuda"),
+            "torch": lambda q, k, v, causal=causal: F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal)}))
     return out
 
 
-_PROFILED = "layer_norm 4096x1024"  # (its Triton fwd+bwd: 542 us of host time for 44 us of
-#                                     kernels on the H100, 2026-11-26; torch's took 143)
+# The cases and modes whose host time cProfile breaks down, per provider: the Triton layer
+# norm's fwd+bwd (542 us of host time for 44 us of kernels on the H100, 2026-11-26; torch's took
+# 143), and the causal attention forward above.
+_PROFILED = {"layer_norm 4096x1024": "fwd_bwd", "attention 16x16x1024x128 causal": "fwd"}
 
 
 def _callable(call, inputs, mode):
@@ -185,12 +202,13 @@ def main(argv=None) -> int:
                 print(f"{name:28} {mode:8} {provider:16} {row['host_us']:8.1f} "
                       f"{row['do_bench_us']:12.1f} {row['kernel_us']:10.1f} "
                       f"{row['host_us_one_thread']:10.1f}", flush=True)
-        if name == _PROFILED:
+        if name in _PROFILED:
+            mode = _PROFILED[name]
             for provider, call in runnable.items():
                 try:
-                    _profile(f"{name} fwd_bwd {provider}", _callable(call, inputs, "fwd_bwd"))
+                    _profile(f"{name} {mode} {provider}", _callable(call, inputs, mode))
                 except Exception as e:  # (as above: the other providers' profiles still print)
-                    print(f"--- cProfile: {name} fwd_bwd {provider}: {type(e).__name__}: {e}")
+                    print(f"--- cProfile: {name} {mode} {provider}: {type(e).__name__}: {e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
