@@ -37,7 +37,7 @@ def _cuda_wanted() -> bool:
 def extensions():
     if os.environ.get("FASTATTN_NO_EXTENSION") == "1":
         return []
-    sources = ["csrc/fastattn.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    sources = ["csrc/fastattn.cpp", "csrc/eager.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     include_dirs = [os.path.abspath("csrc/include")]
     flags = _flags()
     cxx, ld = list(flags.DEFAULT_CFLAGS), list(flags.DEFAULT_LDFLAGS)

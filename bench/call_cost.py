@@ -4,6 +4,11 @@ them). In a model every call runs cold: the previous kernel has taken the caches
 Python step then costs several times its warm cost. "Cold" here is the call right after an
 FFN-sized block of GEMMs; rounds are shuffled and the median is reported, minus an empty call's.
 Run: python bench/call_cost.py [rounds]. Notes: bench/results/cpu-notes.md (2026-11-26).
+
+``python bench/call_cost.py --ab [rounds]``: what the cpu backend's one-call path (csrc/eager.cpp)
+saves, in one process, rounds interleaved: each call above, then the GPT forward of
+``fastattn bench --op model`` (2 layers, width 128, B4 T128 and B2 T256) and the plain attention
+forward at 4x4x256x64, with the path on and off, against torch's.
 """
 import random
 import statistics
@@ -80,5 +85,58 @@ def main(rounds: int) -> None:
         print(f"{name:32s} {warm_us(ours):13.1f} / {warm_us(theirs):<12.1f} {a:13.1f} / {t:<12.1f} {t / a:10.2f}")
 
 
+def _gpt_cases():
+    """The GPT forward of fastattn bench's cpu preset (eval, no grad): fastattn's module and the
+    functional torch peer, on the same parameters."""
+    from fastattn.bench.suites import torch_gpt
+    from fastattn.models import GPT, GPTConfig
+
+    config = GPTConfig(block_size=256, dropout=0.0, activation="gelu", n_layer=2, n_head=4,
+                       n_embd=128, vocab_size=512)
+    model = GPT(config).eval().requires_grad_(False)
+    params = dict(model.named_parameters())
+    cases = {}
+    for B, T in ((4, 128), (2, 256)):
+        idx = torch.randint(0, config.vocab_size, (B, T))
+        cases[f"GPT fwd B{B} T{T}"] = (lambda idx=idx: model(idx)[0],
+                                       lambda idx=idx: torch_gpt(params, idx, config))
+    q, k, v = (torch.randn(4, 4, 256, 64) for _ in range(3))
+    cases["attention fwd 4x4x256x64"] = (lambda: fastattn.attention(q, k, v),
+                                         lambda: F.scaled_dot_product_attention(q, k, v))
+    return cases
+
+
+def ab(rounds: int) -> None:
+    """Each call and case with the one-call path on and off, rounds interleaved (min and median
+    of each, us): the ratio off/on is what the path saves."""
+    from fastattn.ops import _library
+
+    cases = {**PAIRS, **_gpt_cases()}
+    times = {(name, arm): [] for name in cases for arm in ("on", "off", "torch")}
+    for name, (ours, theirs) in cases.items():  # (warm-up)
+        ours(), theirs()
+    for _ in range(rounds):
+        for name, (ours, theirs) in cases.items():
+            arms = [("on", True, ours), ("off", False, ours), ("torch", True, theirs)]
+            random.shuffle(arms)
+            for arm, flag, fn in arms:
+                _library.EAGER_FAST_PATH = flag
+                evict()
+                start = time.perf_counter()
+                fn()
+                times[(name, arm)].append(time.perf_counter() - start)
+    _library.EAGER_FAST_PATH = True
+    print(f"{'case':32s} {'on us':>10s} {'off us':>10s} {'torch us':>10s} {'off/on':>7s} "
+          f"{'torch/on':>8s} {'torch/off':>9s}   (medians of {rounds} rounds)")
+    for name in cases:
+        on, off, th = (statistics.median(times[(name, a)]) * 1e6 for a in ("on", "off", "torch"))
+        print(f"{name:32s} {on:10.1f} {off:10.1f} {th:10.1f} {off / on:7.2f} {th / on:8.2f} "
+              f"{th / off:9.2f}")
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 600)
+    args = sys.argv[1:]
+    if args[:1] == ["--ab"]:
+        ab(int(args[1]) if len(args) > 1 else 200)
+    else:
+        main(int(args[0]) if args else 600)

@@ -82,11 +82,5 @@ TORCH_LIBRARY(fastattn, m) {
       "bool inverse) -> Tensor");
 }
 
-// A Python module init so that `import fastattn._C` loads this library (and so registers the ops
-// above); the module itself exposes nothing.
-#include <Python.h>
-
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}
+// The Python module fastattn._C itself (importing it loads this library, and so registers the
+// ops above) is defined in csrc/eager.cpp.

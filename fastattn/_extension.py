@@ -9,9 +9,10 @@ import importlib
 import torch  # noqa: F401  (loads libtorch, which the extension links against)
 
 try:
-    importlib.import_module("fastattn._C")  # importing registers the ops
+    _MODULE = importlib.import_module("fastattn._C")  # importing registers the ops
     _ERROR = None
 except ImportError as exc:
+    _MODULE = None
     _ERROR = (
         f"the extension fastattn._C is not built ({exc}); "
         "build it with: pip install --no-build-isolation -e ."
@@ -20,6 +21,12 @@ except ImportError as exc:
 
 def loaded() -> bool:
     return _ERROR is None
+
+
+def eager_function(name: str):
+    """The extension's eager fast path of the public function ``name`` (csrc/eager.cpp), or None
+    (no extension, or one built before it had that function)."""
+    return getattr(_MODULE, name, None)
 
 
 def error() -> str | None:

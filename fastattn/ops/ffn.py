@@ -23,7 +23,7 @@ from fastattn import activations as act
 from fastattn import backends
 from fastattn.activations import ACTIVATIONS, GATED
 from fastattn.ops._library import (
-    check_like, define_op, empty_or_none, forward_ad_needs, triton_kernels,
+    check_like, define_op, eager_fast_path, empty_or_none, forward_ad_needs, triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -166,6 +166,10 @@ def ffn(
     output half is the gate and second half the up projection — and ``w2`` (D2, F). Activations:
     ``gelu`` (exact), ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``, ``geglu``. Any leading shape.
     """
+    if isinstance(x, Tensor):  # (the cpu backend's one-call path)
+        fast = eager_fast_path("ffn", x.device, x.dtype, backend, x, w1, b1, w2, b2)
+        if fast is not None and (out := fast(x, w1, b1, w2, b2, activation)) is not None:
+            return out
     _check(x, w1, b1, w2, b2, activation)
     d = x.shape[-1]
     _, impl = backends.select("ffn", x.device, backend, x.dtype, needs=forward_ad_needs(x, w1, b1, w2, b2))

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    broadcasts_to, check_like, define_op, forward_ad_needs, last_dim_contiguous, triton_kernels,
+    broadcasts_to, check_like, define_op, eager_fast_path, forward_ad_needs, last_dim_contiguous,
+    triton_kernels,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -136,6 +137,10 @@ def scaled_masked_softmax(
     differ from Lk). Any leading shape and row length; rows with nothing kept are all zeros with
     zero gradient. Statistics in float32.
     """
+    if mask is None and isinstance(x, Tensor):  # (the cpu backend's one-call path)
+        fast = eager_fast_path("softmax", x.device, x.dtype, backend, x)
+        if fast is not None and (y := fast(x, scale, is_causal)) is not None:
+            return y
     _check(x, mask, is_causal)
     shape = tuple(x.shape)
     if mask is not None:

@@ -1,0 +1,283 @@
+// The Python module fastattn._C, and the cpu backend's eager inference fast path in it.
+//
+// Why: a public function (fastattn.layer_norm, attention, ffn, softmax) called in eager mode on small CPU
+// inputs spends most of its time in Python before the kernel: argument checks, the backend
+// choice, reshapes, the autograd guard. bench/call_cost.py measured 35 us for fastattn.layer_norm
+// against 8 for F.layer_norm (the op itself, below autograd: 10), and a model pays that on every
+// call (bench/results/cpu-notes.md, session 24).
+//
+// What: each function here takes the common case of one public function in a single C++ call.
+// When every tensor argument is a plain dense CPU tensor (no subclass dispatch, no functorch
+// wrapper, no conjugate or negative view), nothing asks for a gradient (grad mode off, or no
+// input requires one) or carries a forward-mode tangent, no TorchDispatchMode is active and the
+// JIT tracer is off, and the arguments are valid, it runs the cpu kernel through the op's CPU
+// entry in the dispatcher (the schema in fastattn.cpp, the kernel the registered op runs) and
+// returns the output. Otherwise it returns None and the caller takes the Python path, which
+// checks the arguments and raises the errors: they are written once, there. The Python side
+// (fastattn/ops/_library.py: eager_fast_path) calls these only outside torch.compile and only
+// when the backend choice for the call is the cpu backend's own implementation.
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/forward_grad.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "fastattn/activation.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using Tensor = at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// The global state the fast path needs: no dispatch mode (FakeTensorMode, make_fx, ...) that
+// must see the op, no JIT trace that must record it.
+bool eager_state() {
+  return c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !torch::jit::tracer::isTracing();
+}
+
+// Whether t is a dense CPU tensor of the plain TensorImpl (functorch's batched and grad wrappers,
+// functionalization, nested and sparse tensors have their own impl types) that no Python
+// subclass dispatches on, and that asks for neither a gradient nor a tangent here.
+bool plain(const Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (typeid(*impl) != typeid(c10::TensorImpl)) return false;
+  const c10::DispatchKeySet ks = impl->key_set();
+  if (!ks.has(c10::DispatchKey::CPU) || ks.has(c10::DispatchKey::Python) ||
+      ks.has(c10::DispatchKey::PythonTLSSnapshot) || impl->is_conj() || impl->is_neg()) {
+    return false;
+  }
+  if (at::GradMode::is_enabled() && t.requires_grad()) return false;
+  const auto* meta = torch::autograd::impl::get_autograd_meta(t);
+  return meta == nullptr || meta->fw_grad_ == nullptr || meta->fw_grad_->empty();
+}
+
+// The tensor an argument holds when it is a plain one (above); nullopt otherwise.
+std::optional<Tensor> tensor(py::handle obj) {
+  if (!THPVariable_Check(obj.ptr())) return std::nullopt;
+  Tensor t = THPVariable_Unpack(obj.ptr());
+  if (!plain(t)) return std::nullopt;
+  return t;
+}
+
+// An optional tensor argument: None gives an empty optional; ok is false for anything but None
+// or a plain tensor.
+OptTensor optional_tensor(py::handle obj, bool& ok) {
+  if (obj.is_none()) return std::nullopt;
+  auto t = tensor(obj);
+  ok = ok && t.has_value();
+  return t;
+}
+
+bool floating(const Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf || s == at::kDouble;
+}
+
+// An int that is not a bool.
+bool is_int(py::handle obj) { return PyLong_Check(obj.ptr()) && !PyBool_Check(obj.ptr()); }
+
+// The op's CPU kernel, by its schema name: below every other dispatch key (the callers have
+// checked that none of them has work to do).
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+const c10::DispatchKeySet kCpu(c10::DispatchKey::CPU);
+
+// fastattn.layer_norm / rms_norm (no residual): y of x's shape, or None.
+py::object layer_norm(py::handle x_obj, py::handle shape_obj, py::handle w_obj, py::handle b_obj,
+                      py::handle eps_obj, bool rms) {
+  if (!eager_state() || !PyFloat_CheckExact(eps_obj.ptr())) return py::none();
+  const double eps = PyFloat_AS_DOUBLE(eps_obj.ptr());
+  auto x = tensor(x_obj);
+  if (!x || !floating(*x) || !(eps >= 0)) return py::none();
+  std::vector<int64_t> shape;
+  if (is_int(shape_obj)) {
+    shape.push_back(PyLong_AsLongLong(shape_obj.ptr()));
+  } else if (PyTuple_Check(shape_obj.ptr()) || PyList_Check(shape_obj.ptr())) {
+    for (py::handle item : py::reinterpret_borrow<py::sequence>(shape_obj)) {
+      if (!is_int(item)) return py::none();
+      shape.push_back(PyLong_AsLongLong(item.ptr()));
+    }
+  } else {
+    return py::none();
+  }
+  const int64_t nd = static_cast<int64_t>(shape.size());
+  if (nd == 0 || x->dim() < nd) return py::none();
+  int64_t n = 1;
+  for (int64_t i = 0; i < nd; ++i) {
+    if (x->size(x->dim() - nd + i) != shape[i]) return py::none();
+    n *= shape[i];
+  }
+  if (n == 0) return py::none();  // (empty rows: the Python path's rules)
+  bool ok = true;
+  OptTensor w = optional_tensor(w_obj, ok), b = optional_tensor(b_obj, ok);
+  if (!ok || (rms && b)) return py::none();
+  for (OptTensor* t : {&w, &b}) {
+    if (!*t) continue;
+    if (!floating(**t) || !(*t)->sizes().equals(shape)) return py::none();
+    if (nd != 1) **t = (*t)->reshape({n});
+  }
+  static const auto fwd = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+      const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, double, bool)>(
+      "fastattn::layer_norm_fwd");
+  Tensor y;
+  {
+    py::gil_scoped_release no_gil;
+    Tensor rows = x->reshape({-1, n});
+    if (rows.stride(-1) != 1 && n != 1) rows = rows.contiguous();
+    y = std::get<0>(fwd.redispatch(kCpu, rows, std::nullopt, w, b, eps, rms));
+    if (!y.sizes().equals(x->sizes())) y = y.view(x->sizes());
+  }
+  return py::cast(y);
+}
+
+// fastattn.attention with no mask, window or dropout: q (B, H, Lq, D), k (B, Hkv, Lk, D),
+// v (B, Hkv, Lk, Dv); causal False, True, "top_left" or "bottom_right"; scale None or a float.
+py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle causal_obj,
+                     py::handle scale_obj, bool enable_gqa) {
+  if (!eager_state()) return py::none();
+  int causal;  // 0 none, 1 top-left, 2 bottom-right
+  if (causal_obj.ptr() == Py_False) {
+    causal = 0;
+  } else if (causal_obj.ptr() == Py_True) {
+    causal = 1;
+  } else if (PyUnicode_Check(causal_obj.ptr())) {
+    const std::string s = causal_obj.cast<std::string>();
+    if (s == "top_left") causal = 1;
+    else if (s == "bottom_right") causal = 2;
+    else return py::none();
+  } else {
+    return py::none();
+  }
+  if (!scale_obj.is_none() && !PyFloat_CheckExact(scale_obj.ptr())) return py::none();
+  auto q = tensor(q_obj), k = tensor(k_obj), v = tensor(v_obj);
+  if (!q || !k || !v || q->dim() != 4 || k->dim() != 4 || v->dim() != 4) return py::none();
+  if (!floating(*q) || k->scalar_type() != q->scalar_type() || v->scalar_type() != q->scalar_type()) {
+    return py::none();
+  }
+  const int64_t B = q->size(0), H = q->size(1), Lq = q->size(2), D = q->size(3);
+  const int64_t Hkv = k->size(1), Lk = k->size(2);
+  if (k->size(0) != B || v->size(0) != B || v->size(1) != Hkv || v->size(2) != Lk ||
+      k->size(3) != D || Hkv == 0 || H % Hkv != 0 || (Hkv != H && !enable_gqa)) {
+    return py::none();
+  }
+  // (empty inputs and head dim 0 have their own rules on the Python path)
+  if (B * H * Lq * Lk * D * v->size(3) == 0) return py::none();
+  const double scale = scale_obj.is_none() ? 1.0 / std::sqrt(static_cast<double>(D))
+                                           : PyFloat_AS_DOUBLE(scale_obj.ptr());
+  // The band of fastattn.ops.attention.band: unbounded is Lq + Lk.
+  const int64_t unbounded = Lq + Lk;
+  const int64_t offset = causal == 2 ? Lk - Lq : 0;
+  const int64_t right = causal ? 0 : unbounded;
+  static const auto fwd = op<std::tuple<Tensor, Tensor>(
+      const Tensor&, const Tensor&, const Tensor&, const OptTensor&, double, int64_t, int64_t,
+      int64_t, double, int64_t)>("fastattn::attention_fwd");
+  Tensor out;
+  {
+    py::gil_scoped_release no_gil;
+    out = std::get<0>(fwd.redispatch(kCpu, *q, *k, *v, std::nullopt, scale, offset, unbounded,
+                                     right, 0.0, 0));
+  }
+  return py::cast(out);
+}
+
+// fastattn.ffn: x (..., D), w1 (F1, D), w2 (D2, F), biases None or (F1,) / (D2,), all of x's
+// dtype; the output (..., D2), or None.
+py::object ffn(py::handle x_obj, py::handle w1_obj, py::handle b1_obj, py::handle w2_obj,
+               py::handle b2_obj, py::handle act_obj) {
+  if (!eager_state() || !PyUnicode_Check(act_obj.ptr())) return py::none();
+  const std::string activation = act_obj.cast<std::string>();
+  bool gated;
+  if (activation == "gelu" || activation == "gelu_tanh" || activation == "relu" ||
+      activation == "silu") {
+    gated = false;
+  } else if (activation == "swiglu" || activation == "geglu") {
+    gated = true;
+  } else {
+    return py::none();
+  }
+  auto x = tensor(x_obj), w1 = tensor(w1_obj), w2 = tensor(w2_obj);
+  bool ok = true;
+  OptTensor b1 = optional_tensor(b1_obj, ok), b2 = optional_tensor(b2_obj, ok);
+  if (!ok || !x || !w1 || !w2 || !floating(*x) || x->dim() < 1 || w1->dim() != 2 ||
+      w2->dim() != 2) {
+    return py::none();
+  }
+  const auto dtype = x->scalar_type();
+  for (const Tensor* t : {&*w1, &*w2, b1 ? &*b1 : nullptr, b2 ? &*b2 : nullptr}) {
+    if (t && t->scalar_type() != dtype) return py::none();
+  }
+  const int64_t d = x->size(-1), f1 = w1->size(0), d2 = w2->size(0);
+  if (d == 0 || f1 == 0 || d2 == 0 || w1->size(1) != d || (gated && f1 % 2) || w2->size(1) != (gated ? f1 / 2 : f1) ||
+      (b1 && !b1->sizes().equals({f1})) || (b2 && !b2->sizes().equals({d2}))) {
+    return py::none();
+  }
+  static const auto fwd = op<std::tuple<Tensor, Tensor>(
+      const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
+      c10::string_view)>("fastattn::ffn_fwd");
+  Tensor out;
+  {
+    py::gil_scoped_release no_gil;
+    std::vector<int64_t> shape(x->sizes().begin(), x->sizes().end());
+    shape.back() = d2;
+    out = std::get<0>(fwd.redispatch(kCpu, x->reshape({-1, d}).contiguous(), w1->contiguous(), b1,
+                                     w2->contiguous(), b2, activation));
+    out = out.view(shape);
+  }
+  return py::cast(out);
+}
+
+// fastattn.scaled_masked_softmax with no mask: x (..., Lk) (at least (Lq, Lk) when causal),
+// scale a float or an int, is_causal a bool; y of x's shape, or None.
+py::object softmax(py::handle x_obj, py::handle scale_obj, py::handle causal_obj) {
+  if (!eager_state() || !(PyFloat_CheckExact(scale_obj.ptr()) || is_int(scale_obj)) ||
+      !PyBool_Check(causal_obj.ptr())) {
+    return py::none();
+  }
+  const double scale = PyFloat_AsDouble(scale_obj.ptr());
+  const bool causal = causal_obj.ptr() == Py_True;
+  auto x = tensor(x_obj);
+  if (!x || !floating(*x) || x->dim() == 0 || (causal && x->dim() < 2)) return py::none();
+  // (L0, L1, Lq, Lk): the leading dims folded into L0, missing ones 1 (ops/softmax.py: _as_4d)
+  const auto sizes = x->sizes();
+  const int64_t nd = x->dim(), tail = std::min<int64_t>(3, nd);
+  std::vector<int64_t> full{1};
+  for (int64_t i = 0; i < nd - tail; ++i) full[0] *= sizes[i];
+  for (int64_t i = tail; i < 3; ++i) full.push_back(1);
+  for (int64_t i = nd - tail; i < nd; ++i) full.push_back(sizes[i]);
+  static const auto fwd = op<Tensor(const Tensor&, const OptTensor&, double, bool)>(
+      "fastattn::softmax_fwd");
+  Tensor y;
+  {
+    py::gil_scoped_release no_gil;
+    Tensor x4 = x->reshape(full);
+    if (x4.stride(-1) != 1) x4 = x4.contiguous();
+    y = fwd.redispatch(kCpu, x4, std::nullopt, scale, causal).view(sizes);
+  }
+  return py::cast(y);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastattn's compiled ops (registered with torch on import) and the cpu backend's "
+            "eager inference fast path (csrc/eager.cpp)";
+  m.def("layer_norm", &layer_norm, "fastattn.layer_norm / rms_norm's eager fast path, or None");
+  m.def("attention", &attention, "fastattn.attention's eager fast path, or None");
+  m.def("ffn", &ffn, "fastattn.ffn's eager fast path, or None");
+  m.def("softmax", &softmax, "fastattn.scaled_masked_softmax's eager fast path, or None");
+}

@@ -1,0 +1,192 @@
+"""The cpu backend's eager inference fast path (csrc/eager.cpp, fastattn._C.layer_norm /
+attention / ffn; fastattn.ops._library.eager_fast_path): it runs the same kernel as the registered
+op, so its results are bitwise those of the Python path; it is taken only where that path would
+run the cpu backend's kernel below autograd, and it hands every other call back (None)."""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastattn
+from fastattn import _extension
+
+pytestmark = pytest.mark.skipif(
+    _extension.eager_function("attention") is None, reason="the extension has no eager fast path")
+
+C = _extension.eager_function
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The fast path's calls and what each returned (True: a tensor, False: None)."""
+    seen = []
+
+    def spy(name):
+        fn = C(name)
+
+        def call(*args):
+            out = fn(*args)
+            seen.append((name, out is not None))
+            return out
+        return call
+    monkeypatch.setattr(_extension, "eager_function", spy)
+    return seen
+
+
+def _qkv(B=2, H=4, Hkv=4, Lq=17, Lk=17, D=40, Dv=40, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(B, H, Lq, D, generator=g, dtype=dtype),
+            torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype),
+            torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=dtype))
+
+
+def _slow(fn, *tensors):
+    """fn's output on the Python path (an input that requires grad), detached."""
+    leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point()
+              else t for t in tensors]
+    return fn(*leaves).detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("causal", [False, True, "top_left", "bottom_right"])
+@pytest.mark.parametrize("shape", [dict(), dict(Hkv=2, Lq=5, Lk=130), dict(Lq=130, Lk=1, D=80, Dv=100)])
+def test_attention_takes_it_and_matches_the_python_path(calls, dtype, causal, shape):
+    q, k, v = _qkv(dtype=dtype, **shape)
+    gqa = k.shape[1] != q.shape[1]
+
+    def fn(q, k, v):
+        return fastattn.attention(q, k, v, causal=causal, enable_gqa=gqa)
+    out = fn(q, k, v)
+    assert calls == [("attention", True)]
+    torch.testing.assert_close(out, _slow(fn, q, k, v), rtol=0, atol=0)
+    assert len(calls) == 1  # (a gradient to track: not asked)
+    ref = fastattn.attention(q, k, v, causal=causal, enable_gqa=gqa, backend="naive")
+    torch.testing.assert_close(out, ref, **({} if dtype != torch.bfloat16 else dict(atol=2e-2, rtol=2e-2)))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_takes_it(calls, is_causal):
+    q, k, v = _qkv(Hkv=2)
+    out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.3, enable_gqa=True)
+    assert calls == [("attention", True)]
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("shape,normalized", [((3, 5, 40), (40,)), ((7, 6, 10), [6, 10]), ((1, 130), 130)])
+def test_layer_norm_takes_it_and_matches_the_python_path(calls, rms, shape, normalized):
+    x = torch.randn(*shape)
+    dims = (normalized,) if isinstance(normalized, int) else tuple(normalized)
+    w, b = torch.randn(dims), torch.randn(dims)
+    if rms:
+        def fn(x, w):
+            return fastattn.rms_norm(x, normalized, w, eps=1e-6)
+        args = (x, w)
+    else:
+        def fn(x, w, b):
+            return fastattn.layer_norm(x, normalized, w, b)
+        args = (x, w, b)
+    out = fn(*args)
+    assert calls == [("layer_norm", True)]
+    torch.testing.assert_close(out, _slow(fn, *args), rtol=0, atol=0)
+    ref = (F.rms_norm(x, dims, w, eps=1e-6) if rms else F.layer_norm(x, dims, w, b))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu"])
+def test_ffn_takes_it_and_matches_the_python_path(calls, activation):
+    gated = activation in ("swiglu", "geglu")
+    x = torch.randn(2, 17, 40)
+    w1, b1 = torch.randn((2 if gated else 1) * 24, 40) * 0.1, torch.randn((2 if gated else 1) * 24)
+    w2, b2 = torch.randn(40, 24) * 0.1, None
+
+    def fn(x, w1, b1, w2):
+        return fastattn.ffn(x, w1, b1, w2, b2, activation)
+    out = fn(x, w1, b1, w2)
+    assert calls == [("ffn", True)] and out.shape == (2, 17, 40)
+    torch.testing.assert_close(out, _slow(fn, x, w1, b1, w2), rtol=0, atol=0)
+    torch.testing.assert_close(out, fastattn.ffn(x, w1, b1, w2, b2, activation, backend="naive"),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape", [(130,), (5, 17), (2, 3, 17, 40), (2, 2, 3, 5, 7)])
+def test_softmax_takes_it_and_matches_the_python_path(calls, is_causal, shape):
+    if is_causal and len(shape) < 2:
+        pytest.skip("is_causal needs (..., Lq, Lk)")
+    x = torch.randn(*shape).transpose(-1, 0) if len(shape) == 2 else torch.randn(*shape)
+
+    def fn(x):
+        return fastattn.scaled_masked_softmax(x, None, 0.5, is_causal)
+    out = fn(x)
+    assert calls == [("softmax", True)] and out.shape == x.shape
+    torch.testing.assert_close(out, _slow(fn, x), rtol=0, atol=0)
+    torch.testing.assert_close(out, fastattn.scaled_masked_softmax(x, None, 0.5, is_causal, backend="naive"),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_no_grad_takes_it_with_inputs_that_require_grad(calls):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    with torch.no_grad():
+        fastattn.attention(q, k, v)
+    with torch.inference_mode():
+        fastattn.attention(*_qkv())
+    assert calls == [("attention", True)] * 2
+
+
+def test_handed_back_where_the_python_path_must_run(calls):
+    q, k, v = _qkv()
+    x, w = torch.randn(4, 40), torch.randn(40)
+    fastattn.attention(q, k, v.requires_grad_())  # a gradient to track: not even asked
+    assert calls == []
+    with fwAD.dual_level():  # a tangent
+        fastattn.attention(fwAD.make_dual(q, torch.randn_like(q)), k, v.detach())
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    with Mode():
+        fastattn.layer_norm(x, (40,), w)
+    torch.jit.trace(lambda x: fastattn.layer_norm(x, (40,), w), (x,), check_trace=False)
+    torch.vmap(lambda x: fastattn.layer_norm(x, (40,), w))(x[None])
+    with pytest.raises(ValueError, match="eps"):  # (not a float: the Python path decides)
+        fastattn.layer_norm(x, (40,), w, eps=True)
+    fastattn.attention(q, k, v.detach(), causal=1)  # (nor is this a bool)
+    assert calls == [("attention", False)] + [("layer_norm", False)] * 4 + [("attention", False)]
+
+
+def test_not_asked_where_another_backend_is_chosen(calls, monkeypatch):
+    q, k, v = _qkv()
+    fastattn.attention(q, k, v, backend="naive")
+    with fastattn.use_backend("naive"):
+        fastattn.attention(q, k, v)
+    monkeypatch.setenv("FASTATTN_BACKEND", "naive")
+    fastattn.attention(q, k, v)
+    monkeypatch.delenv("FASTATTN_BACKEND")
+    fastattn.attention(q, k, v, mask=torch.ones(17, 17, dtype=torch.bool))  # (masks: Python path)
+    assert calls == []
+    fastattn.attention(q, k, v, backend="cpu")
+    assert calls == [("attention", True)]
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda q, k, v: fastattn.attention(q, k[:, :3], v), ValueError),
+    (lambda q, k, v: fastattn.attention(q, k, v[..., :3, :]), ValueError),
+    (lambda q, k, v: fastattn.attention(q, k.double(), v), TypeError),
+    (lambda q, k, v: fastattn.attention(q, k, v, causal="left"), ValueError),
+    (lambda q, k, v: fastattn.attention(q, k, "v"), TypeError),
+    (lambda q, k, v: fastattn.layer_norm(q, (41,)), ValueError),
+    (lambda q, k, v: fastattn.layer_norm(q, (40,), torch.randn(39)), ValueError),
+    (lambda q, k, v: fastattn.layer_norm(q, (40,), eps=-1.0), ValueError),
+    (lambda q, k, v: fastattn.ffn(q, torch.randn(8, 39), None, torch.randn(40, 8), None), ValueError),
+    (lambda q, k, v: fastattn.ffn(q, torch.randn(8, 40), None, torch.randn(40, 8), None, "tanh"), ValueError),
+    (lambda q, k, v: fastattn.scaled_masked_softmax(q[0, 0, 0], None, 1.0, True), ValueError),
+    (lambda q, k, v: fastattn.scaled_masked_softmax(q.int()), TypeError),
+])
+def test_bad_input_still_raises_the_python_paths_error(calls, call, error):
+    with pytest.raises(error):
+        call(*_qkv())
+    assert all(not taken for _, taken in calls)
