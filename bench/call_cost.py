@@ -7,8 +7,9 @@ Run: python bench/call_cost.py [rounds]. Notes: bench/results/cpu-notes.md (2026
 
 ``python bench/call_cost.py --ab [rounds]``: what the cpu backend's one-call path (csrc/eager.cpp)
 saves, in one process, rounds interleaved: each call above, then the GPT forward of
-``fastattn bench --op model`` (2 layers, width 128, B4 T128 and B2 T256) and the plain attention
-forward at 4x4x256x64, with the path on and off, against torch's.
+``fastattn bench --op model`` (2 layers, width 128, B4 T128 and B2 T256), the plain attention
+forward at 4x4x256x64 and a paged decoding step (B1 L1024), with the path on and off, against
+torch's.
 """
 import random
 import statistics
@@ -103,6 +104,18 @@ def _gpt_cases():
     q, k, v = (torch.randn(4, 4, 256, 64) for _ in range(3))
     cases["attention fwd 4x4x256x64"] = (lambda: fastattn.attention(q, k, v),
                                          lambda: F.scaled_dot_product_attention(q, k, v))
+    # fastattn bench --op decode's B1 L1024 H8/2 D64 step (blocks of 16), against SDPA on the
+    # padded cache with its key-padding mask
+    L, block = 1024, 16
+    qd = torch.randn(1, 8, 1, 64)
+    kc, vc = torch.randn(L // block, block, 2, 64), torch.randn(L // block, block, 2, 64)
+    table = torch.randperm(L // block).to(torch.int32)[None]
+    lens = torch.tensor([L], dtype=torch.int32)
+    kp, vp = (c[table[0].long()].reshape(1, L, 2, 64).transpose(1, 2) for c in (kc, vc))
+    pad = torch.ones(1, 1, 1, L, dtype=torch.bool)
+    cases["paged decode B1 L1024 H8/2"] = (
+        lambda: fastattn.paged_attention(qd, kc, vc, table, lens),
+        lambda: F.scaled_dot_product_attention(qd, kp, vp, attn_mask=pad, enable_gqa=True))
     return cases
 
 

@@ -1,8 +1,8 @@
 // The Python module fastattn._C, and the cpu backend's eager inference fast path in it.
 //
-// Why: a public function (fastattn.layer_norm, attention, ffn, softmax) called in eager mode on small CPU
-// inputs spends most of its time in Python before the kernel: argument checks, the backend
-// choice, reshapes, the autograd guard. bench/call_cost.py measured 35 us for fastattn.layer_norm
+// Why: a public function (fastattn.layer_norm, attention, ffn, softmax, paged_attention) called
+// in eager mode on small CPU inputs spends most of its time in Python before the kernel:
+// argument checks, the backend choice, reshapes, the autograd guard. bench/call_cost.py measured 35 us for fastattn.layer_norm
 // against 8 for F.layer_norm (the op itself, below autograd: 10), and a model pays that on every
 // call (bench/results/cpu-notes.md, session 24).
 //
@@ -97,6 +97,19 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 
 const c10::DispatchKeySet kCpu(c10::DispatchKey::CPU);
 
+// A `causal` argument: 0 False, 1 True or "top_left", 2 "bottom_right"; -1 anything else.
+int causal_kind(py::handle obj) {
+  if (obj.ptr() == Py_False) return 0;
+  if (obj.ptr() == Py_True) return 1;
+  if (!PyUnicode_Check(obj.ptr())) return -1;
+  const std::string s = obj.cast<std::string>();
+  return s == "top_left" ? 1 : s == "bottom_right" ? 2 : -1;
+}
+
+// The tensor, or a copy of it, whose last dimension has stride 1 (ops/_library.py:
+// last_dim_contiguous).
+Tensor unit_last(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
 // fastattn.layer_norm / rms_norm (no residual): y of x's shape, or None.
 py::object layer_norm(py::handle x_obj, py::handle shape_obj, py::handle w_obj, py::handle b_obj,
                       py::handle eps_obj, bool rms) {
@@ -149,21 +162,10 @@ py::object layer_norm(py::handle x_obj, py::handle shape_obj, py::handle w_obj, 
 // v (B, Hkv, Lk, Dv); causal False, True, "top_left" or "bottom_right"; scale None or a float.
 py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle causal_obj,
                      py::handle scale_obj, bool enable_gqa) {
-  if (!eager_state()) return py::none();
-  int causal;  // 0 none, 1 top-left, 2 bottom-right
-  if (causal_obj.ptr() == Py_False) {
-    causal = 0;
-  } else if (causal_obj.ptr() == Py_True) {
-    causal = 1;
-  } else if (PyUnicode_Check(causal_obj.ptr())) {
-    const std::string s = causal_obj.cast<std::string>();
-    if (s == "top_left") causal = 1;
-    else if (s == "bottom_right") causal = 2;
-    else return py::none();
-  } else {
+  const int causal = causal_kind(causal_obj);
+  if (!eager_state() || causal < 0 || !(scale_obj.is_none() || PyFloat_CheckExact(scale_obj.ptr()))) {
     return py::none();
   }
-  if (!scale_obj.is_none() && !PyFloat_CheckExact(scale_obj.ptr())) return py::none();
   auto q = tensor(q_obj), k = tensor(k_obj), v = tensor(v_obj);
   if (!q || !k || !v || q->dim() != 4 || k->dim() != 4 || v->dim() != 4) return py::none();
   if (!floating(*q) || k->scalar_type() != q->scalar_type() || v->scalar_type() != q->scalar_type()) {
@@ -195,6 +197,47 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::h
   return py::cast(out);
 }
 
+// fastattn.paged_attention with no window: q (B, H, Lq, D); caches (num_blocks, block_size, Hkv,
+// D / Dv) of q's dtype; block_table (B, max_blocks) and cache_seqlens (B,) int32, whose values
+// the kernel checks itself (ops/varlen.py: _CHECKS_PAGED_VALUES); the output, or None.
+py::object paged_attention(py::handle q_obj, py::handle kc_obj, py::handle vc_obj,
+                           py::handle table_obj, py::handle lens_obj, py::handle causal_obj,
+                           py::handle scale_obj) {
+  const int causal = causal_kind(causal_obj);
+  if (!eager_state() || causal < 0 || !(scale_obj.is_none() || PyFloat_CheckExact(scale_obj.ptr()))) {
+    return py::none();
+  }
+  auto q = tensor(q_obj), kc = tensor(kc_obj), vc = tensor(vc_obj);
+  auto table = tensor(table_obj), lens = tensor(lens_obj);
+  if (!q || !kc || !vc || !table || !lens || q->dim() != 4 || kc->dim() != 4 || vc->dim() != 4 ||
+      table->dim() != 2 || lens->dim() != 1 || !floating(*q) ||
+      kc->scalar_type() != q->scalar_type() || vc->scalar_type() != q->scalar_type() ||
+      table->scalar_type() != at::kInt || lens->scalar_type() != at::kInt) {
+    return py::none();
+  }
+  const int64_t B = q->size(0), H = q->size(1), Lq = q->size(2), D = q->size(3);
+  const int64_t block_size = kc->size(1), Hkv = kc->size(2);
+  if (kc->sizes().slice(0, 3) != vc->sizes().slice(0, 3) || block_size == 0 || Hkv == 0 ||
+      kc->size(3) != D || H % Hkv != 0 || table->size(0) != B || lens->size(0) != B ||
+      B * H * Lq * D * vc->size(3) == 0) {
+    return py::none();
+  }
+  const double scale = scale_obj.is_none() ? 1.0 / std::sqrt(static_cast<double>(D))
+                                           : PyFloat_AS_DOUBLE(scale_obj.ptr());
+  // (ops/varlen.py: _band_args, unbounded = Lq + max_blocks * block_size)
+  const int64_t unbounded = Lq + table->size(1) * block_size;
+  static const auto fwd = op<std::tuple<Tensor, Tensor>(
+      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, bool,
+      int64_t, int64_t)>("fastattn::paged_attention_fwd");
+  Tensor out;
+  {
+    py::gil_scoped_release no_gil;
+    out = std::get<0>(fwd.redispatch(kCpu, unit_last(*q), unit_last(*kc), unit_last(*vc), *table,
+                                     *lens, scale, causal == 2, unbounded, causal ? 0 : unbounded));
+  }
+  return py::cast(out);
+}
+
 // fastattn.ffn: x (..., D), w1 (F1, D), w2 (D2, F), biases None or (F1,) / (D2,), all of x's
 // dtype; the output (..., D2), or None.
 py::object ffn(py::handle x_obj, py::handle w1_obj, py::handle b1_obj, py::handle w2_obj,
@@ -222,7 +265,8 @@ py::object ffn(py::handle x_obj, py::handle w1_obj, py::handle b1_obj, py::handl
     if (t && t->scalar_type() != dtype) return py::none();
   }
   const int64_t d = x->size(-1), f1 = w1->size(0), d2 = w2->size(0);
-  if (d == 0 || f1 == 0 || d2 == 0 || w1->size(1) != d || (gated && f1 % 2) || w2->size(1) != (gated ? f1 / 2 : f1) ||
+  if (d == 0 || f1 == 0 || d2 == 0 || w1->size(1) != d || (gated && f1 % 2) ||
+      w2->size(1) != (gated ? f1 / 2 : f1) ||
       (b1 && !b1->sizes().equals({f1})) || (b2 && !b2->sizes().equals({d2}))) {
     return py::none();
   }
@@ -280,4 +324,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention", &attention, "fastattn.attention's eager fast path, or None");
   m.def("ffn", &ffn, "fastattn.ffn's eager fast path, or None");
   m.def("softmax", &softmax, "fastattn.scaled_masked_softmax's eager fast path, or None");
+  m.def("paged_attention", &paged_attention, "fastattn.paged_attention's eager fast path, or None");
 }

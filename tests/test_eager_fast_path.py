@@ -128,6 +128,27 @@ def test_softmax_takes_it_and_matches_the_python_path(calls, is_causal, shape):
                                atol=1e-6, rtol=1e-5)
 
 
+def _paged(B=2, H=4, Hkv=2, Lq=3, D=40, Dv=24, block=16, blocks=4, lens=(40, 7)):
+    """A paged cache (num_blocks, block, Hkv, D) of B rows with ``blocks`` blocks each, in a
+    shuffled order, and the rows' lengths."""
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(B * blocks, block, Hkv, D, generator=g)
+    vc = torch.randn(B * blocks, block, Hkv, Dv, generator=g)
+    table = torch.randperm(B * blocks, generator=g).to(torch.int32).view(B, blocks)
+    return torch.randn(B, H, Lq, D, generator=g), kc, vc, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_paged_attention_takes_it_and_matches_the_naive_backend(calls, causal):
+    q, kc, vc, table, lens = _paged()
+    out = fastattn.paged_attention(q, kc, vc, table, lens, causal=causal, scale=0.2)
+    assert calls == [("paged_attention", True)]
+    ref = fastattn.paged_attention(q, kc, vc, table, lens, causal=causal, scale=0.2, backend="naive")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cache_seqlens"):  # (values: the kernel's own check)
+        fastattn.paged_attention(q, kc, vc, table, torch.tensor([40, 65], dtype=torch.int32))
+
+
 def test_no_grad_takes_it_with_inputs_that_require_grad(calls):
     q, k, v = (t.requires_grad_() for t in _qkv())
     with torch.no_grad():
@@ -185,6 +206,8 @@ def test_not_asked_where_another_backend_is_chosen(calls, monkeypatch):
     (lambda q, k, v: fastattn.ffn(q, torch.randn(8, 40), None, torch.randn(40, 8), None, "tanh"), ValueError),
     (lambda q, k, v: fastattn.scaled_masked_softmax(q[0, 0, 0], None, 1.0, True), ValueError),
     (lambda q, k, v: fastattn.scaled_masked_softmax(q.int()), TypeError),
+    (lambda q, k, v: fastattn.paged_attention(q, *_paged()[1:3], _paged()[3].long(), _paged()[4]), TypeError),
+    (lambda q, k, v: fastattn.paged_attention(q, *_paged(D=16)[1:]), ValueError),
 ])
 def test_bad_input_still_raises_the_python_paths_error(calls, call, error):
     with pytest.raises(error):
