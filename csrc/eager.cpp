@@ -48,14 +48,16 @@ bool eager_state() {
 }
 
 // Whether t is a dense CPU tensor of the plain TensorImpl (functorch's batched and grad wrappers,
-// functionalization, nested and sparse tensors have their own impl types) that no Python
-// subclass dispatches on, and that asks for neither a gradient nor a tangent here.
+// functionalization, nested, sparse, quantized and MKL-DNN tensors have their own impl types)
+// that no Python subclass dispatches on, with no zero-tensor, conjugate or negative bit, and that
+// asks for neither a gradient nor a tangent here.
 bool plain(const Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (typeid(*impl) != typeid(c10::TensorImpl)) return false;
   const c10::DispatchKeySet ks = impl->key_set();
   if (!ks.has(c10::DispatchKey::CPU) || ks.has(c10::DispatchKey::Python) ||
-      ks.has(c10::DispatchKey::PythonTLSSnapshot) || impl->is_conj() || impl->is_neg()) {
+      ks.has(c10::DispatchKey::PythonTLSSnapshot) || ks.has(c10::DispatchKey::ZeroTensor) ||
+      impl->is_conj() || impl->is_neg()) {
     return false;
   }
   if (at::GradMode::is_enabled() && t.requires_grad()) return false;

@@ -173,10 +173,11 @@ def test_handed_back_where_the_python_path_must_run(calls):
         fastattn.layer_norm(x, (40,), w)
     torch.jit.trace(lambda x: fastattn.layer_norm(x, (40,), w), (x,), check_trace=False)
     torch.vmap(lambda x: fastattn.layer_norm(x, (40,), w))(x[None])
+    fastattn.layer_norm(torch._neg_view(x), (40,), w)  # (a negative view)
     with pytest.raises(ValueError, match="eps"):  # (not a float: the Python path decides)
         fastattn.layer_norm(x, (40,), w, eps=True)
     fastattn.attention(q, k, v.detach(), causal=1)  # (nor is this a bool)
-    assert calls == [("attention", False)] + [("layer_norm", False)] * 4 + [("attention", False)]
+    assert calls == [("attention", False)] + [("layer_norm", False)] * 5 + [("attention", False)]
 
 
 def test_not_asked_where_another_backend_is_chosen(calls, monkeypatch):
