@@ -2,9 +2,9 @@
 //
 // Why: a public function (fastattn.layer_norm, attention, ffn, softmax, paged_attention) called
 // in eager mode on small CPU inputs spends most of its time in Python before the kernel:
-// argument checks, the backend choice, reshapes, the autograd guard. bench/call_cost.py measured 35 us for fastattn.layer_norm
-// against 8 for F.layer_norm (the op itself, below autograd: 10), and a model pays that on every
-// call (bench/results/cpu-notes.md, session 24).
+// argument checks, the backend choice, reshapes, the autograd guard. bench/call_cost.py measured
+// 35 us for fastattn.layer_norm against 8 for F.layer_norm (the op itself, below autograd: 10),
+// and a model pays that on every call (bench/results/cpu-notes.md, session 24).
 //
 // What: each function here takes the common case of one public function in a single C++ call.
 // When every tensor argument is a plain dense CPU tensor (no subclass dispatch, no functorch
@@ -108,6 +108,22 @@ int causal_kind(py::handle obj) {
   return s == "top_left" ? 1 : s == "bottom_right" ? 2 : -1;
 }
 
+// The attention functions' `causal` and `scale` arguments: false (hand the call back) unless the
+// state is eager (above), causal is one of causal_kind's and scale None or a float; scale then
+// holds its value, 1 / sqrt(D) for None.
+bool attention_args(py::handle causal_obj, py::handle scale_obj, int64_t D, int& causal,
+                    double& scale) {
+  causal = causal_kind(causal_obj);
+  if (!eager_state() || causal < 0) return false;
+  if (scale_obj.is_none()) {
+    scale = 1.0 / std::sqrt(static_cast<double>(D));
+    return true;
+  }
+  if (!PyFloat_CheckExact(scale_obj.ptr())) return false;
+  scale = PyFloat_AS_DOUBLE(scale_obj.ptr());
+  return true;
+}
+
 // The tensor, or a copy of it, whose last dimension has stride 1 (ops/_library.py:
 // last_dim_contiguous).
 Tensor unit_last(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
@@ -164,10 +180,6 @@ py::object layer_norm(py::handle x_obj, py::handle shape_obj, py::handle w_obj, 
 // v (B, Hkv, Lk, Dv); causal False, True, "top_left" or "bottom_right"; scale None or a float.
 py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle causal_obj,
                      py::handle scale_obj, bool enable_gqa) {
-  const int causal = causal_kind(causal_obj);
-  if (!eager_state() || causal < 0 || !(scale_obj.is_none() || PyFloat_CheckExact(scale_obj.ptr()))) {
-    return py::none();
-  }
   auto q = tensor(q_obj), k = tensor(k_obj), v = tensor(v_obj);
   if (!q || !k || !v || q->dim() != 4 || k->dim() != 4 || v->dim() != 4) return py::none();
   if (!floating(*q) || k->scalar_type() != q->scalar_type() || v->scalar_type() != q->scalar_type()) {
@@ -180,9 +192,12 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::h
     return py::none();
   }
   // (empty inputs and head dim 0 have their own rules on the Python path)
-  if (B * H * Lq * Lk * D * v->size(3) == 0) return py::none();
-  const double scale = scale_obj.is_none() ? 1.0 / std::sqrt(static_cast<double>(D))
-                                           : PyFloat_AS_DOUBLE(scale_obj.ptr());
+  int causal;
+  double scale;
+  if (B * H * Lq * Lk * D * v->size(3) == 0 ||
+      !attention_args(causal_obj, scale_obj, D, causal, scale)) {
+    return py::none();
+  }
   // The band of fastattn.ops.attention.band: unbounded is Lq + Lk.
   const int64_t unbounded = Lq + Lk;
   const int64_t offset = causal == 2 ? Lk - Lq : 0;
@@ -205,10 +220,6 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::h
 py::object paged_attention(py::handle q_obj, py::handle kc_obj, py::handle vc_obj,
                            py::handle table_obj, py::handle lens_obj, py::handle causal_obj,
                            py::handle scale_obj) {
-  const int causal = causal_kind(causal_obj);
-  if (!eager_state() || causal < 0 || !(scale_obj.is_none() || PyFloat_CheckExact(scale_obj.ptr()))) {
-    return py::none();
-  }
   auto q = tensor(q_obj), kc = tensor(kc_obj), vc = tensor(vc_obj);
   auto table = tensor(table_obj), lens = tensor(lens_obj);
   if (!q || !kc || !vc || !table || !lens || q->dim() != 4 || kc->dim() != 4 || vc->dim() != 4 ||
@@ -224,8 +235,9 @@ py::object paged_attention(py::handle q_obj, py::handle kc_obj, py::handle vc_ob
       B * H * Lq * D * vc->size(3) == 0) {
     return py::none();
   }
-  const double scale = scale_obj.is_none() ? 1.0 / std::sqrt(static_cast<double>(D))
-                                           : PyFloat_AS_DOUBLE(scale_obj.ptr());
+  int causal;
+  double scale;
+  if (!attention_args(causal_obj, scale_obj, D, causal, scale)) return py::none();
   // (ops/varlen.py: _band_args, unbounded = Lq + max_blocks * block_size)
   const int64_t unbounded = Lq + table->size(1) * block_size;
   static const auto fwd = op<std::tuple<Tensor, Tensor>(
@@ -247,13 +259,10 @@ py::object ffn(py::handle x_obj, py::handle w1_obj, py::handle b1_obj, py::handl
   if (!eager_state() || !PyUnicode_Check(act_obj.ptr())) return py::none();
   const std::string activation = act_obj.cast<std::string>();
   bool gated;
-  if (activation == "gelu" || activation == "gelu_tanh" || activation == "relu" ||
-      activation == "silu") {
-    gated = false;
-  } else if (activation == "swiglu" || activation == "geglu") {
-    gated = true;
-  } else {
-    return py::none();
+  try {
+    gated = fastattn::parse_activation(activation).gated;  // (the one table, activation.h)
+  } catch (const c10::Error&) {
+    return py::none();  // (an unknown name: the Python path's error)
   }
   auto x = tensor(x_obj), w1 = tensor(w1_obj), w2 = tensor(w2_obj);
   bool ok = true;

@@ -188,28 +188,29 @@ def no_autograd(*tensors: torch.Tensor | None) -> bool:
 EAGER_FAST_PATH = True
 
 
-def eager_fast_path(op: str, device: torch.device, dtype: torch.dtype, backend: str | None,
-                    *tensors):
-    """The extension's one-call path for the public function of ``op`` (``fastattn._C.<op>``,
-    csrc/eager.cpp), when this call may take it: outside torch.compile, with no gradient to track
-    through ``tensors``, and when the backend choice for ``device`` and ``dtype`` (the call's
-    ``backend=``, then ``use_backend``, then the environment, then the device's best) is the cpu
-    backend's own implementation. None otherwise. The C++ function checks the rest (plain CPU
-    tensors, no tangent, no dispatch mode or JIT trace, valid arguments) and returns None where
-    the Python path must run: that path checks the arguments and raises the errors, written
-    once."""
-    if (IS_COMPILING() or not EAGER_FAST_PATH or backends.device_type(device) != "cpu"
-            or (_GRAD_ENABLED() and _ANY_REQUIRES_GRAD is not None and _ANY_REQUIRES_GRAD(*tensors))):
-        return None  # (a GPU call leaves here: its backends have no such path)
+def eager_fast_path(op: str, backend: str | None, *args):
+    """The public function of ``op`` run by the extension in one call (``fastattn._C.<op>(*args)``,
+    csrc/eager.cpp), or None: then the caller takes its Python path. Asked only outside
+    torch.compile, for a first argument that is a CPU tensor, when no argument requires a
+    gradient under grad mode, and when the backend choice for that tensor's device and dtype
+    (the call's ``backend=``, then ``use_backend``, then the environment, then the device's best)
+    is the cpu backend's own implementation. The C++ function checks the rest (plain CPU tensors,
+    no tangent, no dispatch mode or JIT trace, valid arguments) and returns None where the Python
+    path must run: that path checks the arguments and raises the errors, written once."""
+    x = args[0]
+    if (IS_COMPILING() or not EAGER_FAST_PATH or not isinstance(x, torch.Tensor)
+            or backends.device_type(x.device) != "cpu"  # (a GPU call leaves here)
+            or (_GRAD_ENABLED() and _ANY_REQUIRES_GRAD is not None and _ANY_REQUIRES_GRAD(*args))):
+        return None
     fast = _extension.eager_function(op)
-    if fast is None:
+    defined = DEFINED.get(op)
+    if fast is None or defined is None:
         return None
     try:
-        _, impl = backends.select(op, device, backend, dtype)
+        _, impl = backends.select(op, x.device, backend, x.dtype)
     except ValueError:  # (the Python path raises it, after the argument checks)
         return None
-    defined = DEFINED.get(op)
-    return fast if defined is not None and impl is defined.registered.get("cpu") else None
+    return fast(*args) if impl is defined.registered.get("cpu") else None
 
 
 def triton_installed() -> bool:

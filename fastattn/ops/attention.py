@@ -600,11 +600,10 @@ def attention(
     float mask) on every backend but ``cuda``, which has no JVP kernel (selecting it for forward
     mode raises a ValueError; the automatic choice passes over it).
     """
-    if mask is None and window is None and dropout_p == 0.0 and not return_lse and isinstance(query, Tensor):
-        # (the cpu backend's one-call path)
-        fast = eager_fast_path("attention", query.device, query.dtype, backend, query, key, value)
-        if fast is not None and (out := fast(query, key, value, causal, scale, enable_gqa)) is not None:
-            return out
+    if mask is None and window is None and dropout_p == 0.0 and not return_lse and (
+            out := eager_fast_path("attention", backend, query, key, value, causal, scale, enable_gqa)
+    ) is not None:
+        return out  # (the cpu backend's one-call path)
     mask = _validate(query, key, value, mask, dropout_p, enable_gqa, causal, window)
     return _attend(query, key, value, mask, causal, window, scale, dropout_p, seed, return_lse, backend)
 
@@ -718,10 +717,10 @@ def scaled_dot_product_attention(
 
     A query row that may attend no key outputs 0 with gradient 0.
     """
-    if attn_mask is None and dropout_p == 0.0 and isinstance(query, Tensor):  # (cpu backend)
-        fast = eager_fast_path("attention", query.device, query.dtype, backend, query, key, value)
-        if fast is not None and (out := fast(query, key, value, is_causal, scale, enable_gqa)) is not None:
-            return out
+    if attn_mask is None and dropout_p == 0.0 and (
+            out := eager_fast_path("attention", backend, query, key, value, is_causal, scale, enable_gqa)
+    ) is not None:
+        return out  # (the cpu backend's one-call path)
     if is_causal and attn_mask is not None:
         # PyTorch documents this as an error (its math kernel raises; its CPU flash kernel
         # happens to combine them): fastattn.attention takes both.

@@ -166,10 +166,8 @@ def ffn(
     output half is the gate and second half the up projection — and ``w2`` (D2, F). Activations:
     ``gelu`` (exact), ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``, ``geglu``. Any leading shape.
     """
-    if isinstance(x, Tensor):  # (the cpu backend's one-call path)
-        fast = eager_fast_path("ffn", x.device, x.dtype, backend, x, w1, b1, w2, b2)
-        if fast is not None and (out := fast(x, w1, b1, w2, b2, activation)) is not None:
-            return out
+    if (out := eager_fast_path("ffn", backend, x, w1, b1, w2, b2, activation)) is not None:
+        return out  # (the cpu backend's one-call path)
     _check(x, w1, b1, w2, b2, activation)
     d = x.shape[-1]
     _, impl = backends.select("ffn", x.device, backend, x.dtype, needs=forward_ad_needs(x, w1, b1, w2, b2))

@@ -221,10 +221,9 @@ def _check_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask) -> None:
 
 
 def _run(x, residual, normalized_shape, weight, bias, eps, rms, backend):
-    if residual is None and isinstance(x, Tensor):  # (the cpu backend's one-call path)
-        fast = eager_fast_path("layer_norm", x.device, x.dtype, backend, x, weight, bias)
-        if fast is not None and (y := fast(x, normalized_shape, weight, bias, eps, rms)) is not None:
-            return y, None
+    if residual is None and (y := eager_fast_path(  # (the cpu backend's one-call path)
+            "layer_norm", backend, x, normalized_shape, weight, bias, eps, rms)) is not None:
+        return y, None
     shape = _check(x, residual, normalized_shape, weight, bias, eps, rms)
     _, impl = backends.select("layer_norm", x.device, backend, x.dtype,
                               needs=forward_ad_needs(x, residual, weight, bias))

@@ -137,10 +137,8 @@ def scaled_masked_softmax(
     differ from Lk). Any leading shape and row length; rows with nothing kept are all zeros with
     zero gradient. Statistics in float32.
     """
-    if mask is None and isinstance(x, Tensor):  # (the cpu backend's one-call path)
-        fast = eager_fast_path("softmax", x.device, x.dtype, backend, x)
-        if fast is not None and (y := fast(x, scale, is_causal)) is not None:
-            return y
+    if mask is None and (y := eager_fast_path("softmax", backend, x, scale, is_causal)) is not None:
+        return y  # (the cpu backend's one-call path)
     _check(x, mask, is_causal)
     shape = tuple(x.shape)
     if mask is not None:

@@ -473,11 +473,10 @@ def paged_attention(
     keys up to ``cache_seqlens[b] - Lq + i``). Returns out (B, H, Lq, Dv), with ``return_lse``
     also lse (B, H, Lq) float32.
     """
-    if window is None and not return_lse and isinstance(q, Tensor):  # (the cpu backend's one call)
-        fast = eager_fast_path("paged_attention", q.device, q.dtype, backend, q, k_cache, v_cache)
-        if (fast is not None
-                and (out := fast(q, k_cache, v_cache, block_table, cache_seqlens, causal, scale)) is not None):
-            return out
+    if window is None and not return_lse and (out := eager_fast_path(  # (cpu backend: one call)
+            "paged_attention", backend, q, k_cache, v_cache, block_table, cache_seqlens, causal,
+            scale)) is not None:
+        return out
     _check_tensor("q", q, 4, "(batch, heads, new_tokens, head_dim)")
     _check_float("q", q, q, "q")
     _check_band(causal, window)
