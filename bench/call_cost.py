@@ -6,8 +6,9 @@ FFN-sized block of GEMMs; rounds are shuffled and the median is reported, minus 
 Run: python bench/call_cost.py [rounds]. Notes: bench/results/cpu-notes.md (2026-11-26).
 
 ``python bench/call_cost.py --ab [rounds]``: what the cpu backend's one-call path (csrc/eager.cpp)
-saves, in one process, rounds interleaved: each call above, then the GPT forward of
-``fastattn bench --op model`` (2 layers, width 128, B4 T128 and B2 T256), the plain attention
+saves, in one process, rounds interleaved: each call above, each forward+backward of TRAINING
+(its training path), then the GPT forward and forward+backward of ``fastattn bench --op model``
+(2 layers, width 128, B4 T128 and B2 T256), the plain attention
 forward at 4x4x256x64 and a paged decoding step (B1 L1024), with the path on and off, against
 torch's.
 """
@@ -43,6 +44,24 @@ PAIRS = {  # name: (fastattn, torch)
     "softmax": (lambda: fastattn.scaled_masked_softmax(s), lambda: torch.softmax(s, -1)),
     "ffn gelu": (lambda: fastattn.ffn(x, w1, b1, w2, b2, "gelu"),
                  lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)),
+}
+# forward+backward (the training path of the one-call path): gradients of every input
+xg, qg = x.clone().requires_grad_(), torch.randn(1, 2, 8, 48).requires_grad_()
+w1g, b1g, w2g, b2g = (t.clone().requires_grad_() for t in (w1, b1, w2, b2))
+
+
+def _split(t):
+    return t.view(1, 2, 8, 3, 16).unbind(3)
+
+
+TRAINING = {
+    "layer_norm fwd+bwd": (lambda: fastattn.layer_norm(xg, (E,), gw, bw).sum().backward(),
+                           lambda: F.layer_norm(xg, (E,), gw, bw).sum().backward()),
+    "attention causal fwd+bwd": (
+        lambda: fastattn.attention(*_split(qg), causal=True).sum().backward(),
+        lambda: F.scaled_dot_product_attention(*_split(qg), is_causal=True).sum().backward()),
+    "ffn gelu fwd+bwd": (lambda: fastattn.ffn(xg, w1g, b1g, w2g, b2g, "gelu").sum().backward(),
+                         lambda: F.linear(F.gelu(F.linear(xg, w1g, b1g)), w2g, b2g).sum().backward()),
 }
 xe = torch.randn(4, 128, E)
 W1, B1, W2, B2 = torch.randn(4 * E, E) * 0.05, torch.randn(4 * E), torch.randn(E, 4 * E) * 0.05, torch.randn(E)
@@ -101,6 +120,13 @@ def _gpt_cases():
         idx = torch.randint(0, config.vocab_size, (B, T))
         cases[f"GPT fwd B{B} T{T}"] = (lambda idx=idx: model(idx)[0],
                                        lambda idx=idx: torch_gpt(params, idx, config))
+    train = GPT(config)
+    named = dict(train.named_parameters())
+    for B, T in ((4, 128), (2, 256)):
+        idx = torch.randint(0, config.vocab_size, (B, T))
+        cases[f"GPT fwd+bwd B{B} T{T}"] = (
+            lambda idx=idx: train(idx)[0].sum().backward(),
+            lambda idx=idx: torch_gpt(named, idx, config).sum().backward())
     q, k, v = (torch.randn(4, 4, 256, 64) for _ in range(3))
     cases["attention fwd 4x4x256x64"] = (lambda: fastattn.attention(q, k, v),
                                          lambda: F.scaled_dot_product_attention(q, k, v))
@@ -124,7 +150,7 @@ def ab(rounds: int) -> None:
     of each, us): the ratio off/on is what the path saves."""
     from fastattn.ops import _library
 
-    cases = {**PAIRS, **_gpt_cases()}
+    cases = {**PAIRS, **TRAINING, **_gpt_cases()}
     times = {(name, arm): [] for name in cases for arm in ("on", "off", "torch")}
     for name, (ours, theirs) in cases.items():  # (warm-up)
         ours(), theirs()

@@ -1,4 +1,4 @@
-// The Python module fastattn._C, and the cpu backend's eager inference fast path in it.
+// The Python module fastattn._C, and the cpu backend's eager fast path in it.
 //
 // Why: a public function (fastattn.layer_norm, attention, ffn, softmax, paged_attention) called
 // in eager mode on small CPU inputs spends most of its time in Python before the kernel:
@@ -8,14 +8,16 @@
 //
 // What: each function here takes the common case of one public function in a single C++ call.
 // When every tensor argument is a plain dense CPU tensor (no subclass dispatch, no functorch
-// wrapper, no conjugate or negative view), nothing asks for a gradient (grad mode off, or no
-// input requires one) or carries a forward-mode tangent, no TorchDispatchMode is active and the
-// JIT tracer is off, and the arguments are valid, it runs the cpu kernel through the op's CPU
-// entry in the dispatcher (the schema in fastattn.cpp, the kernel the registered op runs) and
-// returns the output. Otherwise it returns None and the caller takes the Python path, which
-// checks the arguments and raises the errors: they are written once, there. The Python side
-// (fastattn/ops/_library.py: eager_fast_path) calls these only outside torch.compile and only
-// when the backend choice for the call is the cpu backend's own implementation.
+// wrapper, no conjugate or negative view), nothing carries a forward-mode tangent, no
+// TorchDispatchMode is active and the JIT tracer is off, and the arguments are valid, it runs the
+// cpu kernel through the op's CPU entry in the dispatcher (the schema in fastattn.cpp, the kernel
+// the registered op runs) and returns the output. A call that records a graph (grad mode on and
+// an input that requires a gradient) is taken by layer_norm, attention and ffn only, through a
+// C++ autograd node (the training path, below); the others hand it back. Otherwise it returns
+// None and the caller takes the Python path, which checks the arguments and raises the errors:
+// they are written once, there. The Python side (fastattn/ops/_library.py: eager_fast_path) calls
+// these only outside torch.compile (calls that record a graph: only in plain eager mode) and
+// only when the backend choice for the call is the cpu backend's own implementation.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -50,8 +52,9 @@ bool eager_state() {
 // Whether t is a dense CPU tensor of the plain TensorImpl (functorch's batched and grad wrappers,
 // functionalization, nested, sparse, quantized and MKL-DNN tensors have their own impl types)
 // that no Python subclass dispatches on, with no zero-tensor, conjugate or negative bit, and that
-// asks for neither a gradient nor a tangent here.
-bool plain(const Tensor& t) {
+// carries no tangent and, unless `trains` (a function with a training path, below), asks for no
+// gradient here.
+bool plain(const Tensor& t, bool trains) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (typeid(*impl) != typeid(c10::TensorImpl)) return false;
   const c10::DispatchKeySet ks = impl->key_set();
@@ -60,24 +63,24 @@ bool plain(const Tensor& t) {
       impl->is_conj() || impl->is_neg()) {
     return false;
   }
-  if (at::GradMode::is_enabled() && t.requires_grad()) return false;
+  if (!trains && at::GradMode::is_enabled() && t.requires_grad()) return false;
   const auto* meta = torch::autograd::impl::get_autograd_meta(t);
   return meta == nullptr || meta->fw_grad_ == nullptr || meta->fw_grad_->empty();
 }
 
 // The tensor an argument holds when it is a plain one (above); nullopt otherwise.
-std::optional<Tensor> tensor(py::handle obj) {
+std::optional<Tensor> tensor(py::handle obj, bool trains = false) {
   if (!THPVariable_Check(obj.ptr())) return std::nullopt;
   Tensor t = THPVariable_Unpack(obj.ptr());
-  if (!plain(t)) return std::nullopt;
+  if (!plain(t, trains)) return std::nullopt;
   return t;
 }
 
 // An optional tensor argument: None gives an empty optional; ok is false for anything but None
 // or a plain tensor.
-OptTensor optional_tensor(py::handle obj, bool& ok) {
+OptTensor optional_tensor(py::handle obj, bool& ok, bool trains = false) {
   if (obj.is_none()) return std::nullopt;
-  auto t = tensor(obj);
+  auto t = tensor(obj, trains);
   ok = ok && t.has_value();
   return t;
 }
@@ -128,12 +131,103 @@ bool attention_args(py::handle causal_obj, py::handle scale_obj, int64_t D, int&
 // last_dim_contiguous).
 Tensor unit_last(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+// ---------------------------------------------------------------------------------------------
+// The training path: a call that records a graph (grad mode on, some input requires a gradient)
+// gets a C++ autograd node (torch::autograd::Function) instead of the Python path's
+// _library._EagerAutograd / attention._Attention. The node saves what the op's registered
+// formula saves and its backward calls the registered backward op through the dispatcher, as
+// the formula does: the formula's few lines of glue (ops/layer_norm.py, ffn.py, attention.py:
+// `_backward`) restated for this case, which tests/test_eager_fast_path.py holds to the same bits
+// as the Python path, gradients included. The Python path spent ~55 us a call before the kernel
+// and ~70 us in backward around it (bench/results/cpu-notes.md, session 25).
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Whether a call with these tensors records a graph.
+bool records(std::initializer_list<const OptTensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  return std::any_of(ts.begin(), ts.end(),
+                     [](const OptTensor* t) { return *t && (*t)->requires_grad(); });
+}
+
+// A saved-data entry of the node's context.
+at::IValue& saved(AutogradContext* ctx, const char* key) { return ctx->saved_data[key]; }
+
+// t, or an undefined tensor where it is empty (ops/_library.py: empty_or_none).
+Tensor defined_or_none(const Tensor& t) { return t.defined() && t.numel() > 0 ? t : Tensor(); }
+
+// ---- layer_norm / rms_norm
+
+using LayerNormFwd = std::tuple<Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, double, bool);
+using LayerNormBwd = std::tuple<Tensor, Tensor, Tensor>(
+    const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&,
+    const Tensor&, bool, std::array<bool, 2>);
+
+// x as (rows, n) with a unit last stride (ops/layer_norm.py: _rows).
+Tensor norm_rows(const Tensor& x, int64_t n) {
+  Tensor rows = x.reshape({-1, n});
+  return rows.stride(-1) != 1 && n != 1 ? rows.contiguous() : rows;
+}
+
+// The kernel on rows (M, n) and weights (n,): (y, h, mean, rstd).
+std::tuple<Tensor, Tensor, Tensor, Tensor> norm_kernel(const Tensor& rows, const OptTensor& w,
+                                                       const OptTensor& b, double eps, bool rms) {
+  static const auto fwd = op<LayerNormFwd>("fastattn::layer_norm_fwd");
+  py::gil_scoped_release no_gil;
+  return fwd.redispatch(kCpu, rows, std::nullopt, w, b, eps, rms);
+}
+
+OptTensor flat(const OptTensor& t, int64_t n) {
+  return t && t->dim() != 1 ? OptTensor(t->reshape({n})) : t;
+}
+
+struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
+  // y as (rows, n); the caller views it as x.
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& w,
+                               const OptTensor& b, double eps, bool rms, int64_t n) {
+    const Tensor rows = norm_rows(x, n);
+    const OptTensor wf = flat(w, n);
+    auto [y, h, mean, rstd] = norm_kernel(rows, wf, flat(b, n), eps, rms);
+    ctx->save_for_backward({rows, wf.value_or(Tensor()), mean, rstd});
+    saved(ctx, "rms") = rms;
+    saved(ctx, "x") = x.sizes().vec();
+    if (w) saved(ctx, "w") = w->sizes().vec();
+    if (b) saved(ctx, "b") = b->sizes().vec();
+    if (b) saved(ctx, "b_dtype") = b->scalar_type();
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto bwd = op<LayerNormBwd>("fastattn::layer_norm_bwd");
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &rows = s[0], &w = s[1], &mean = s[2], &rstd = s[3];
+    const bool has_bias = ctx->saved_data.count("b") > 0;
+    // (needs_input_grad counts the tensor inputs given: x, then w and b where given)
+    const std::array<bool, 2> want{w.defined() && ctx->needs_input_grad(1),
+                                   has_bias && ctx->needs_input_grad(w.defined() ? 2 : 1)};
+    const Tensor dy = unit_last(grads[0]);
+    auto [dx, dw, db] = bwd.call(dy, std::nullopt, rows, w.defined() ? OptTensor(w) : std::nullopt,
+                                 mean, rstd, saved(ctx, "rms").toBool(), want);
+    variable_list out(6);
+    out[0] = dx.view(saved(ctx, "x").toIntVector());
+    if ((dw = defined_or_none(dw)).defined()) out[1] = dw.view(saved(ctx, "w").toIntVector());
+    db = defined_or_none(db);
+    if (!db.defined() && has_bias && !w.defined() && want[1]) {  // a bias without a weight
+      db = dy.sum(0, false, at::kFloat).to(saved(ctx, "b_dtype").toScalarType());
+    }
+    if (db.defined()) out[2] = db.view(saved(ctx, "b").toIntVector());
+    return out;
+  }
+};
+
 // fastattn.layer_norm / rms_norm (no residual): y of x's shape, or None.
 py::object layer_norm(py::handle x_obj, py::handle shape_obj, py::handle w_obj, py::handle b_obj,
                       py::handle eps_obj, bool rms) {
   if (!eager_state() || !PyFloat_CheckExact(eps_obj.ptr())) return py::none();
   const double eps = PyFloat_AS_DOUBLE(eps_obj.ptr());
-  auto x = tensor(x_obj);
+  OptTensor x = tensor(x_obj, true);
   if (!x || !floating(*x) || !(eps >= 0)) return py::none();
   std::vector<int64_t> shape;
   if (is_int(shape_obj)) {
@@ -155,32 +249,84 @@ py::object layer_norm(py::handle x_obj, py::handle shape_obj, py::handle w_obj, 
   }
   if (n == 0) return py::none();  // (empty rows: the Python path's rules)
   bool ok = true;
-  OptTensor w = optional_tensor(w_obj, ok), b = optional_tensor(b_obj, ok);
+  OptTensor w = optional_tensor(w_obj, ok, true), b = optional_tensor(b_obj, ok, true);
   if (!ok || (rms && b)) return py::none();
-  for (OptTensor* t : {&w, &b}) {
-    if (!*t) continue;
-    if (!floating(**t) || !(*t)->sizes().equals(shape)) return py::none();
-    if (nd != 1) **t = (*t)->reshape({n});
+  for (const OptTensor* t : {&w, &b}) {
+    if (*t && (!floating(**t) || !(*t)->sizes().equals(shape))) return py::none();
   }
-  static const auto fwd = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
-      const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, double, bool)>(
-      "fastattn::layer_norm_fwd");
-  Tensor y;
-  {
-    py::gil_scoped_release no_gil;
-    Tensor rows = x->reshape({-1, n});
-    if (rows.stride(-1) != 1 && n != 1) rows = rows.contiguous();
-    y = std::get<0>(fwd.redispatch(kCpu, rows, std::nullopt, w, b, eps, rms));
-    if (!y.sizes().equals(x->sizes())) y = y.view(x->sizes());
-  }
+  Tensor y = records({&x, &w, &b})
+                 ? LayerNormFn::apply(*x, w, b, eps, rms, n)[0]
+                 : std::get<0>(norm_kernel(norm_rows(*x, n), flat(w, n), flat(b, n), eps, rms));
+  if (!y.sizes().equals(x->sizes())) y = y.view(x->sizes());
   return py::cast(y);
 }
 
+// ---- attention
+
+using AttentionBwd = std::tuple<Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+    const OptTensor&, double, int64_t, int64_t, int64_t, double, int64_t, bool);
+
+// The kernel without mask or dropout: (out, lse).
+std::tuple<Tensor, Tensor> attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            double scale, int64_t offset, int64_t left,
+                                            int64_t right) {
+  static const auto fwd = op<std::tuple<Tensor, Tensor>(
+      const Tensor&, const Tensor&, const Tensor&, const OptTensor&, double, int64_t, int64_t,
+      int64_t, double, int64_t)>("fastattn::attention_fwd");
+  py::gil_scoped_release no_gil;
+  return fwd.redispatch(kCpu, q, k, v, std::nullopt, scale, offset, left, right, 0.0, 0);
+}
+
+struct AttentionFn : torch::autograd::Function<AttentionFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, double scale, int64_t offset, int64_t left,
+                               int64_t right) {
+    auto [out, lse] = attention_kernel(q, k, v, scale, offset, left, right);
+    ctx->save_for_backward({q, k, v, out, lse});
+    saved(ctx, "args") = std::vector<double>{scale, double(offset), double(left), double(right)};
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4];
+    const bool needs[3] = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                           ctx->needs_input_grad(2)};
+    variable_list res(7);
+    if (!(needs[0] || needs[1] || needs[2])) return res;
+    const std::vector<double> a = saved(ctx, "args").toDoubleVector();
+    const double scale = a[0];
+    const int64_t offset = int64_t(a[1]), left = int64_t(a[2]), right = int64_t(a[3]);
+    if (at::GradMode::is_enabled() &&
+        (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+      // create_graph=True: the Python formula's differentiable backward (attention._Attention)
+      py::gil_scoped_acquire gil;
+      static py::object* differentiable = new py::object(
+          py::module_::import("fastattn.ops.attention").attr("_differentiable_backward"));
+      const py::tuple r = (*differentiable)(
+          q, k, v, py::none(), py::make_tuple(scale, offset, left, right, 0.0, 0), grads[0],
+          py::none(), py::make_tuple(needs[0], needs[1], needs[2], false), true);
+      for (int i = 0; i < 3; ++i) res[i] = r[i].is_none() ? Tensor() : r[i].cast<Tensor>();
+      return res;
+    }
+    static const auto bwd = op<AttentionBwd>("fastattn::attention_bwd");
+    auto [dq, dk, dv, dmask] = bwd.call(unit_last(grads[0]), q, k, v, out, lse, std::nullopt,
+                                        scale, offset, left, right, 0.0, 0, false);
+    res[0] = dq;
+    res[1] = dk;
+    res[2] = dv;
+    return res;
+  }
+};
+
 // fastattn.attention with no mask, window or dropout: q (B, H, Lq, D), k (B, Hkv, Lk, D),
 // v (B, Hkv, Lk, Dv); causal False, True, "top_left" or "bottom_right"; scale None or a float.
+// A call that records a graph takes the training path only with q, k, v of unit last stride (a
+// copy made here would leave the saved tensors off the graph that create_graph differentiates).
 py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle causal_obj,
                      py::handle scale_obj, bool enable_gqa) {
-  auto q = tensor(q_obj), k = tensor(k_obj), v = tensor(v_obj);
+  OptTensor q = tensor(q_obj, true), k = tensor(k_obj, true), v = tensor(v_obj, true);
   if (!q || !k || !v || q->dim() != 4 || k->dim() != 4 || v->dim() != 4) return py::none();
   if (!floating(*q) || k->scalar_type() != q->scalar_type() || v->scalar_type() != q->scalar_type()) {
     return py::none();
@@ -202,16 +348,11 @@ py::object attention(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::h
   const int64_t unbounded = Lq + Lk;
   const int64_t offset = causal == 2 ? Lk - Lq : 0;
   const int64_t right = causal ? 0 : unbounded;
-  static const auto fwd = op<std::tuple<Tensor, Tensor>(
-      const Tensor&, const Tensor&, const Tensor&, const OptTensor&, double, int64_t, int64_t,
-      int64_t, double, int64_t)>("fastattn::attention_fwd");
-  Tensor out;
-  {
-    py::gil_scoped_release no_gil;
-    out = std::get<0>(fwd.redispatch(kCpu, *q, *k, *v, std::nullopt, scale, offset, unbounded,
-                                     right, 0.0, 0));
+  if (!records({&q, &k, &v})) {
+    return py::cast(std::get<0>(attention_kernel(*q, *k, *v, scale, offset, unbounded, right)));
   }
-  return py::cast(out);
+  if (q->stride(-1) != 1 || k->stride(-1) != 1 || v->stride(-1) != 1) return py::none();
+  return py::cast(AttentionFn::apply(*q, *k, *v, scale, offset, unbounded, right)[0]);
 }
 
 // fastattn.paged_attention with no window: q (B, H, Lq, D); caches (num_blocks, block_size, Hkv,
@@ -252,6 +393,52 @@ py::object paged_attention(py::handle q_obj, py::handle kc_obj, py::handle vc_ob
   return py::cast(out);
 }
 
+// ---- ffn
+
+using FfnFwd = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const OptTensor&,
+                                          const Tensor&, const OptTensor&, c10::string_view);
+using FfnBwd = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::string_view,
+    std::array<bool, 2>);
+
+// The kernel on x as (M, D) rows and contiguous weights: (out (M, D2), pre).
+std::tuple<Tensor, Tensor> ffn_kernel(const Tensor& x, const Tensor& w1, const OptTensor& b1,
+                                      const Tensor& w2, const OptTensor& b2,
+                                      const std::string& activation) {
+  static const auto fwd = op<FfnFwd>("fastattn::ffn_fwd");
+  py::gil_scoped_release no_gil;
+  return fwd.redispatch(kCpu, x, w1, b1, w2, b2, activation);
+}
+
+struct FfnFn : torch::autograd::Function<FfnFn> {
+  // out as (M, D2); the caller views it as x's leading dims.
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1,
+                               const OptTensor& b1, const Tensor& w2, const OptTensor& b2,
+                               const std::string& activation) {
+    const Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
+    const Tensor w1c = w1.contiguous(), w2c = w2.contiguous();
+    auto [out, pre] = ffn_kernel(rows, w1c, b1, w2c, b2, activation);
+    ctx->save_for_backward({rows, w1c, w2c, pre});
+    saved(ctx, "activation") = activation;
+    saved(ctx, "x") = x.sizes().vec();
+    saved(ctx, "bias") = std::vector<bool>{b1.has_value(), b2.has_value()};
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto bwd = op<FfnBwd>("fastattn::ffn_bwd");
+    const variable_list s = ctx->get_saved_variables();
+    const auto bias = saved(ctx, "bias").toBoolList();
+    // (needs_input_grad counts the tensor inputs given: x, w1, b1 where given, w2, b2)
+    const std::array<bool, 2> want{bias[0] && ctx->needs_input_grad(2),
+                                   bias[1] && ctx->needs_input_grad(bias[0] ? 4 : 3)};
+    auto [dx, dw1, db1, dw2, db2] = bwd.call(grads[0].contiguous(), s[0], s[1], s[2], s[3],
+                                             saved(ctx, "activation").toStringRef(), want);
+    return {dx.view(saved(ctx, "x").toIntVector()), dw1, defined_or_none(db1), dw2,
+            defined_or_none(db2), Tensor()};
+  }
+};
+
 // fastattn.ffn: x (..., D), w1 (F1, D), w2 (D2, F), biases None or (F1,) / (D2,), all of x's
 // dtype; the output (..., D2), or None.
 py::object ffn(py::handle x_obj, py::handle w1_obj, py::handle b1_obj, py::handle w2_obj,
@@ -264,16 +451,16 @@ py::object ffn(py::handle x_obj, py::handle w1_obj, py::handle b1_obj, py::handl
   } catch (const c10::Error&) {
     return py::none();  // (an unknown name: the Python path's error)
   }
-  auto x = tensor(x_obj), w1 = tensor(w1_obj), w2 = tensor(w2_obj);
+  OptTensor x = tensor(x_obj, true), w1 = tensor(w1_obj, true), w2 = tensor(w2_obj, true);
   bool ok = true;
-  OptTensor b1 = optional_tensor(b1_obj, ok), b2 = optional_tensor(b2_obj, ok);
+  OptTensor b1 = optional_tensor(b1_obj, ok, true), b2 = optional_tensor(b2_obj, ok, true);
   if (!ok || !x || !w1 || !w2 || !floating(*x) || x->dim() < 1 || w1->dim() != 2 ||
       w2->dim() != 2) {
     return py::none();
   }
   const auto dtype = x->scalar_type();
-  for (const Tensor* t : {&*w1, &*w2, b1 ? &*b1 : nullptr, b2 ? &*b2 : nullptr}) {
-    if (t && t->scalar_type() != dtype) return py::none();
+  for (const OptTensor* t : {&w1, &w2, &b1, &b2}) {
+    if (*t && (*t)->scalar_type() != dtype) return py::none();
   }
   const int64_t d = x->size(-1), f1 = w1->size(0), d2 = w2->size(0);
   if (d == 0 || f1 == 0 || d2 == 0 || w1->size(1) != d || (gated && f1 % 2) ||
@@ -281,19 +468,13 @@ py::object ffn(py::handle x_obj, py::handle w1_obj, py::handle b1_obj, py::handl
       (b1 && !b1->sizes().equals({f1})) || (b2 && !b2->sizes().equals({d2}))) {
     return py::none();
   }
-  static const auto fwd = op<std::tuple<Tensor, Tensor>(
-      const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
-      c10::string_view)>("fastattn::ffn_fwd");
-  Tensor out;
-  {
-    py::gil_scoped_release no_gil;
-    std::vector<int64_t> shape(x->sizes().begin(), x->sizes().end());
-    shape.back() = d2;
-    out = std::get<0>(fwd.redispatch(kCpu, x->reshape({-1, d}).contiguous(), w1->contiguous(), b1,
-                                     w2->contiguous(), b2, activation));
-    out = out.view(shape);
-  }
-  return py::cast(out);
+  std::vector<int64_t> shape(x->sizes().begin(), x->sizes().end());
+  shape.back() = d2;
+  const Tensor out = records({&x, &w1, &b1, &w2, &b2})
+      ? FfnFn::apply(*x, *w1, b1, *w2, b2, activation)[0]
+      : std::get<0>(ffn_kernel(x->reshape({-1, d}).contiguous(), w1->contiguous(), b1,
+                               w2->contiguous(), b2, activation));
+  return py::cast(out.view(shape));
 }
 
 // fastattn.scaled_masked_softmax with no mask: x (..., Lk) (at least (Lq, Lk) when causal),
@@ -336,4 +517,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffn", &ffn, "fastattn.ffn's eager fast path, or None");
   m.def("softmax", &softmax, "fastattn.scaled_masked_softmax's eager fast path, or None");
   m.def("paged_attention", &paged_attention, "fastattn.paged_attention's eager fast path, or None");
+  // The functions above whose path also takes calls that record a graph (the training path).
+  m.attr("TRAINING") = py::make_tuple("layer_norm", "attention", "ffn");
 }

@@ -29,6 +29,12 @@ def eager_function(name: str):
     return getattr(_MODULE, name, None)
 
 
+def eager_trains(name: str) -> bool:
+    """Whether the extension's eager fast path of ``name`` also takes calls that record a graph
+    (csrc/eager.cpp: its training path, a C++ autograd node)."""
+    return name in getattr(_MODULE, "TRAINING", ())
+
+
 def error() -> str | None:
     """None when the extension is loaded, else why it is not."""
     return _ERROR

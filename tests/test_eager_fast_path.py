@@ -1,7 +1,11 @@
-"""The cpu backend's eager inference fast path (csrc/eager.cpp, fastattn._C.layer_norm /
-attention / ffn; fastattn.ops._library.eager_fast_path): it runs the same kernel as the registered
-op, so its results are bitwise those of the Python path; it is taken only where that path would
-run the cpu backend's kernel below autograd, and it hands every other call back (None)."""
+"""The cpu backend's eager fast path (csrc/eager.cpp, fastattn._C.layer_norm / attention / ffn;
+fastattn.ops._library.eager_fast_path): it runs the same kernel as the registered op, so its
+results are bitwise those of the Python path; it is taken only where that path would run the cpu
+backend's kernel below autograd or, for layer_norm, attention and ffn, through the op's formula
+in plain eager mode (its training path: a C++ autograd node, whose gradients are bitwise the
+formula's too), and it hands every other call back (None)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastattn
 from fastattn import _extension
+from fastattn.ops import _library
 
 pytestmark = pytest.mark.skipif(
     _extension.eager_function("attention") is None, reason="the extension has no eager fast path")
@@ -42,11 +47,22 @@ def _qkv(B=2, H=4, Hkv=4, Lq=17, Lk=17, D=40, Dv=40, dtype=torch.float32):
             torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=dtype))
 
 
+@contextlib.contextmanager
+def _python_path():
+    """The public functions' Python path only (the one-call path not offered)."""
+    saved, _library.EAGER_FAST_PATH = _library.EAGER_FAST_PATH, False
+    try:
+        yield
+    finally:
+        _library.EAGER_FAST_PATH = saved
+
+
 def _slow(fn, *tensors):
     """fn's output on the Python path (an input that requires grad), detached."""
     leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point()
               else t for t in tensors]
-    return fn(*leaves).detach()
+    with _python_path():
+        return fn(*leaves).detach()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -161,7 +177,8 @@ def test_no_grad_takes_it_with_inputs_that_require_grad(calls):
 def test_handed_back_where_the_python_path_must_run(calls):
     q, k, v = _qkv()
     x, w = torch.randn(4, 40), torch.randn(40)
-    fastattn.attention(q, k, v.requires_grad_())  # a gradient to track: not even asked
+    s = torch.randn(2, 5, 7, requires_grad=True)  # a gradient to track, no training path:
+    fastattn.scaled_masked_softmax(s, None, 0.5)  # not even asked
     assert calls == []
     with fwAD.dual_level():  # a tangent
         fastattn.attention(fwAD.make_dual(q, torch.randn_like(q)), k, v.detach())
@@ -214,3 +231,170 @@ def test_bad_input_still_raises_the_python_paths_error(calls, call, error):
     with pytest.raises(error):
         call(*_qkv())
     assert all(not taken for _, taken in calls)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training path: calls that record a graph.
+
+
+def _ln_case(rms=False, shape=(3, 5, 40), normalized=(40,), weight=True, bias=True, x_grad=True):
+    def make():
+        x = torch.randn(*shape, requires_grad=x_grad)
+        w = torch.randn(normalized, requires_grad=True) if weight else None
+        b = torch.randn(normalized, requires_grad=True) if bias and not rms else None
+        if rms:
+            return (lambda x, w: fastattn.rms_norm(x, normalized, w, eps=1e-6)), (x, w)
+        return (lambda x, w, b: fastattn.layer_norm(x, normalized, w, b)), (x, w, b)
+    return "layer_norm", make
+
+
+def _ffn_case(activation="gelu", b1=True, b2=True, dtype=torch.float32):
+    def make():
+        gated = activation in ("swiglu", "geglu")
+        x = torch.randn(2, 17, 40, dtype=dtype, requires_grad=True)
+        w1 = (torch.randn((2 if gated else 1) * 24, 40, dtype=dtype) * 0.1).requires_grad_()
+        w2 = (torch.randn(40, 24, dtype=dtype) * 0.1).requires_grad_()
+        bias1 = torch.randn(w1.shape[0], dtype=dtype, requires_grad=True) if b1 else None
+        bias2 = torch.randn(40, dtype=dtype, requires_grad=True) if b2 else None
+        return (lambda x, w1, b1, w2, b2: fastattn.ffn(x, w1, b1, w2, b2, activation)), (x, w1, bias1, w2, bias2)
+    return "ffn", make
+
+
+def _attention_case(causal=False, dtype=torch.float32, sdpa=False, **shape):
+    def make():
+        q, k, v = (t.requires_grad_() for t in _qkv(dtype=dtype, **shape))
+        gqa = k.shape[1] != q.shape[1]
+        if sdpa:
+            return (lambda q, k, v: fastattn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)), (q, k, v)
+        return (lambda q, k, v: fastattn.attention(q, k, v, causal=causal, enable_gqa=gqa)), (q, k, v)
+    return "attention", make
+
+
+_TRAINING_CASES = {
+    "ln": _ln_case(), "ln-2d-shape": _ln_case(shape=(7, 6, 10), normalized=(6, 10)),
+    "ln-weights-only": _ln_case(x_grad=False), "ln-bias-only": _ln_case(weight=False),
+    "ln-no-affine": _ln_case(weight=False, bias=False), "rms": _ln_case(rms=True),
+    "ffn-gelu": _ffn_case(), "ffn-swiglu-b2": _ffn_case("swiglu", b1=False),
+    "ffn-silu-b1": _ffn_case("silu", b2=False), "ffn-relu-f64": _ffn_case("relu", dtype=torch.float64),
+    "attention": _attention_case(), "attention-causal": _attention_case(causal=True),
+    "attention-bottom-right-gqa": _attention_case("bottom_right", Hkv=2, Lq=5, Lk=130),
+    "attention-bf16": _attention_case(True, dtype=torch.bfloat16),
+    "sdpa-f64-d80": _attention_case(True, dtype=torch.float64, sdpa=True, Lq=130, Lk=1, D=80, Dv=100),
+}
+
+
+def _run_training(make, python_path):
+    """(output, gradients of every input that requires one, the graph's node names)."""
+    torch.manual_seed(0)
+    fn, inputs = make()
+    with _python_path() if python_path else contextlib.nullcontext():
+        out = fn(*inputs)
+    leaves = [t for t in inputs if t is not None and t.requires_grad]
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    return out, torch.autograd.grad(out, leaves, cot), _graph_nodes(out)
+
+
+def _graph_nodes(t):
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in seen:
+            seen.add(node.name())
+            todo += [n for n, _ in node.next_functions]
+    return seen
+
+
+@pytest.mark.parametrize("case", list(_TRAINING_CASES))
+def test_training_path_takes_it_and_matches_the_python_path(calls, case):
+    op, make = _TRAINING_CASES[case]
+    out, grads, nodes = _run_training(make, python_path=False)
+    assert calls == [(op, True)]
+    assert any("CppNode" in n for n in nodes), nodes  # (the C++ node, not _EagerAutograd)
+    ref_out, ref_grads, ref_nodes = _run_training(make, python_path=True)
+    assert not any("CppNode" in n for n in ref_nodes), ref_nodes
+    assert len(calls) == 1
+    assert torch.equal(out, ref_out)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
+
+
+def test_training_path_double_backward_is_the_formulas(calls):
+    """create_graph=True through attention's training path: the node hands the backward to the
+    Python formula's differentiable one (attention._differentiable_backward), so the gradient of
+    a gradient is the Python path's, bit for bit, and right (gradgradcheck)."""
+    _, make = _attention_case(causal=True, dtype=torch.float64, B=1, H=2, Hkv=1, Lq=5, Lk=7, D=8, Dv=8)
+
+    def second(python_path):
+        torch.manual_seed(0)
+        fn, inputs = make()
+        with _python_path() if python_path else contextlib.nullcontext():
+            out = fn(*inputs)
+        g = torch.autograd.grad(out, inputs, torch.ones_like(out), create_graph=True)
+        return torch.autograd.grad(sum((t * t).sum() for t in g), inputs)
+
+    fast, ref = second(False), second(True)
+    assert calls == [("attention", True)]
+    for a, b in zip(fast, ref):
+        assert torch.equal(a, b)
+    fn, inputs = make()
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_training_path_keeps_autograds_rules(calls):
+    """The node saves its tensors as autograd does: an input changed in place before backward is
+    an error, and a second backward without retain_graph is one too."""
+    x, w = torch.randn(4, 40, requires_grad=True), torch.randn(40, requires_grad=True)
+    y = fastattn.layer_norm(x, (40,), w)
+    with torch.no_grad():
+        w.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = fastattn.attention(q, k, v)
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+    assert calls == [("layer_norm", True), ("attention", True)]
+
+
+def test_training_path_hands_back_attention_without_a_unit_last_stride(calls):
+    """q, k, v with a strided last dim would need copies made inside the node, off the graph that
+    create_graph differentiates: that call takes the Python path."""
+    q, k, v = _qkv()
+    q = q.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+    out = fastattn.attention(q, k, v)
+    assert calls == [("attention", False)]
+    out.sum().backward()
+    assert q.grad is not None
+
+
+def test_training_path_under_saved_tensor_hooks_and_checkpointing(calls):
+    """Saved-tensor hooks see the node's tensors (offloading, non-reentrant checkpointing), and a
+    checkpointed block's gradients are the plain block's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 17, 32, requires_grad=True)
+    w, b = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
+    w1, w2 = (torch.randn(64, 32) * 0.1).requires_grad_(), (torch.randn(32, 64) * 0.1).requires_grad_()
+
+    def block(x):
+        h = fastattn.layer_norm(x, (32,), w, b)
+        q = h.view(2, 17, 4, 8).transpose(1, 2)
+        a = fastattn.attention(q, q, q, causal=True).transpose(1, 2).reshape(2, 17, 32)
+        return fastattn.ffn(a, w1, None, w2, None, "gelu")
+
+    leaves = (x, w, b, w1, w2)
+    plain = torch.autograd.grad(block(x).sum(), leaves)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hooked = torch.autograd.grad(block(x).sum(), leaves)
+    assert len(packed) >= 4 + 5 + 4  # (layer_norm's, attention's and ffn's saved tensors at least)
+    checkpointed = torch.autograd.grad(
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum(), leaves)
+    for a, h, c in zip(plain, hooked, checkpointed):
+        assert torch.equal(a, h) and torch.equal(a, c)
+    assert {taken for _, taken in calls} == {True}

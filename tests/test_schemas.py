@@ -183,8 +183,10 @@ def test_the_eager_fast_path_applies_the_registered_formula(case, monkeypatch):
     """In plain eager mode a registered op with a gradient to compute runs through
     _library._EagerAutograd (torch.library's autograd layer costs ~25 us a call); elsewhere
     (torch.compile, functorch transforms) torch.library's own autograd runs. Same formula, same
-    kernels: same bits."""
+    kernels: same bits. (The one-call path, which takes some of these calls in C++, is held to
+    the same bits by tests/test_eager_fast_path.py; here it is not offered.)"""
     fn, inputs = _eager_fast_path_calls()[case]
+    monkeypatch.setattr(_library, "EAGER_FAST_PATH", False)
 
     def grads(fast):
         leaves = [t.clone().requires_grad_() for t in inputs]

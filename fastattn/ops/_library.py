@@ -192,15 +192,18 @@ def eager_fast_path(op: str, backend: str | None, *args):
     """The public function of ``op`` run by the extension in one call (``fastattn._C.<op>(*args)``,
     csrc/eager.cpp), or None: then the caller takes its Python path. Asked only outside
     torch.compile, for a first argument that is a CPU tensor, when no argument requires a
-    gradient under grad mode, and when the backend choice for that tensor's device and dtype
+    gradient under grad mode (or, for the functions with a training path in the extension, in
+    plain eager mode: :func:`plain_eager`), and when the backend choice for that tensor's device and dtype
     (the call's ``backend=``, then ``use_backend``, then the environment, then the device's best)
     is the cpu backend's own implementation. The C++ function checks the rest (plain CPU tensors,
     no tangent, no dispatch mode or JIT trace, valid arguments) and returns None where the Python
     path must run: that path checks the arguments and raises the errors, written once."""
     x = args[0]
     if (IS_COMPILING() or not EAGER_FAST_PATH or not isinstance(x, torch.Tensor)
-            or backends.device_type(x.device) != "cpu"  # (a GPU call leaves here)
-            or (_GRAD_ENABLED() and _ANY_REQUIRES_GRAD is not None and _ANY_REQUIRES_GRAD(*args))):
+            or backends.device_type(x.device) != "cpu"):  # (a GPU call leaves here)
+        return None
+    if _GRAD_ENABLED() and (_ANY_REQUIRES_GRAD is None or _ANY_REQUIRES_GRAD(*args)) and not (
+            _extension.eager_trains(op) and plain_eager()):
         return None
     fast = _extension.eager_function(op)
     defined = DEFINED.get(op)
