@@ -179,8 +179,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> norm_kernel(const Tensor& rows, const
   return fwd.redispatch(kCpu, rows, std::nullopt, w, b, eps, rms);
 }
 
+// A weight or bias as the contiguous (n,) vector the kernel takes (ops/layer_norm.py: _flat).
 OptTensor flat(const OptTensor& t, int64_t n) {
-  return t && t->dim() != 1 ? OptTensor(t->reshape({n})) : t;
+  return t && (t->dim() != 1 || !t->is_contiguous()) ? OptTensor(t->reshape({n}).contiguous()) : t;
 }
 
 struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
@@ -251,9 +252,13 @@ py::object layer_norm(py::handle x_obj, py::handle shape_obj, py::handle w_obj, 
   bool ok = true;
   OptTensor w = optional_tensor(w_obj, ok, true), b = optional_tensor(b_obj, ok, true);
   if (!ok || (rms && b)) return py::none();
-  for (const OptTensor* t : {&w, &b}) {
-    if (*t && (!floating(**t) || !(*t)->sizes().equals(shape))) return py::none();
+  for (const OptTensor* t : {&w, &b}) {  // (x's dtype or float32, one dtype for both)
+    if (*t && (((*t)->scalar_type() != x->scalar_type() && (*t)->scalar_type() != at::kFloat) ||
+               !(*t)->sizes().equals(shape))) {
+      return py::none();
+    }
   }
+  if (w && b && w->scalar_type() != b->scalar_type()) return py::none();
   Tensor y = records({&x, &w, &b})
                  ? LayerNormFn::apply(*x, w, b, eps, rms, n)[0]
                  : std::get<0>(norm_kernel(norm_rows(*x, n), flat(w, n), flat(b, n), eps, rms));

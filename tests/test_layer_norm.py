@@ -63,6 +63,33 @@ def test_layer_norm_matches_reference(backend, device, dtype, shape, nd, affine)
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_takes_strided_float32_weights(backend, device, dtype):
+    """As F.layer_norm: weight and bias of any strides (every other element of a longer vector),
+    in the input's dtype or float32; the gradients reach them in their own dtype and shape.
+    Another dtype is a TypeError naming the argument."""
+    x, _, _, dy, ns = _inputs((5, 3, 40), 1, dtype, device)
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(80, generator=g) * 0.5 + 1).to(device)[::2].requires_grad_()
+    b = (torch.randn(40, 2, generator=g) * 0.5).to(device)[:, 1].requires_grad_()
+    for bad, match in (((w.double(), None), "weight has dtype torch.float64"),
+                       ((w, b.double()), "bias has dtype torch.float64")):
+        with pytest.raises(TypeError, match=match):
+            fastattn.layer_norm(x, ns, *bad, backend=backend)
+    y = fastattn.layer_norm(x, ns, w, b, backend=backend)
+    ref_y, _, _ = reference.layer_norm(to_numpy(x), ns, to_numpy(w), to_numpy(b), 1e-5)
+    base = F.layer_norm(x, ns, w.to(dtype), b.to(dtype))
+    assert_close_to_reference(y, ref_y, base, name="y")
+    dx, dw, db = _grads(y, dy, x, w, b)
+    assert (dw.dtype, db.dtype, dw.shape, db.shape) == (w.dtype, b.dtype, w.shape, b.shape)
+    rdx, rdw, rdb = reference.layer_norm_backward(to_numpy(dy), to_numpy(x), ns, to_numpy(w), 1e-5)
+    bdx, bdw, bdb = _grads(base, dy, x, w, b)
+    assert_close_to_reference(dx, rdx, bdx, name="dx")
+    assert_close_to_reference(dw, rdw, bdw, name="dweight")
+    assert_close_to_reference(db, rdb, bdb, name="dbias")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(17, 100), (1, 1), (2, 1000)])
 def test_rms_norm_matches_reference(backend, device, dtype, shape):
     x, w, _, dy, ns = _inputs(shape, 1, dtype, device)

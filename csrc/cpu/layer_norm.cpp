@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "fastattn/cpu_reduce.h"
 #include "fastattn/cpu_simd.h"
@@ -301,18 +302,40 @@ void bwd_rows(const BwdArgs<T>& a, int64_t r0, int64_t r1, acc_t<T>* pw, acc_t<T
 // ---------------------------------------------------------------------------------------------
 // Drivers.
 
+// A weight or bias (n values) as the accumulation type A: its own data where it holds exactly that
+// (contiguous A), else converted into buf (`fill` n times where absent). Converting with
+// Tensor::to went through the dispatcher: ~6 us a call for bfloat16 weights, ten calls in the
+// bench's small GPT forward (bench/results/cpu-notes.md, session 25).
+template <typename A>
+const A* acc_values(const std::optional<at::Tensor>& t, int64_t n, A fill, std::vector<A>& buf) {
+  if (t && t->scalar_type() == c10::CppTypeToScalarType<A>::value && t->is_contiguous()) {
+    return t->const_data_ptr<A>();
+  }
+  buf.assign(n, fill);
+  if (t) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t->scalar_type(), "acc_values", [&] {
+      const scalar_t* p = t->const_data_ptr<scalar_t>();
+      const int64_t stride = t->stride(0);
+      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(p[i * stride]);
+    });
+  }
+  return buf.data();
+}
+
 template <typename T>
 void layer_norm_fwd_impl(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                         const at::Tensor& w_acc, const at::Tensor& b_acc, double eps, bool rms,
+                         const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias, double eps, bool rms,
                          at::Tensor& y, at::Tensor& h, at::Tensor& mean, at::Tensor& rstd) {
   using A = acc_t<T>;
+  std::vector<A> w_buf, b_buf;
   FwdArgs<T> a{};
   a.x = x.const_data_ptr<T>();
   a.residual = residual ? residual->const_data_ptr<T>() : nullptr;
   a.x_stride = x.stride(0);
   a.r_stride = residual ? residual->stride(0) : 0;
-  a.w = w_acc.const_data_ptr<A>();
-  a.b = b_acc.const_data_ptr<A>();
+  a.w = acc_values<A>(weight, x.size(1), A(1), w_buf);
+  a.b = acc_values<A>(bias, x.size(1), A(0), b_buf);
   a.y = y.data_ptr<T>();
   a.h = residual ? h.data_ptr<T>() : nullptr;
   a.mean = rms ? nullptr : mean.data_ptr<float>();
@@ -326,10 +349,11 @@ void layer_norm_fwd_impl(const at::Tensor& x, const std::optional<at::Tensor>& r
 
 template <typename T>
 void layer_norm_bwd_impl(const at::Tensor& dy, const std::optional<at::Tensor>& dh,
-                         const at::Tensor& h, const at::Tensor& w_acc, const at::Tensor& mean,
-                         const at::Tensor& rstd, bool rms, at::Tensor& dx, at::Tensor& part_w,
-                         at::Tensor& part_b) {
+                         const at::Tensor& h, const std::optional<at::Tensor>& weight,
+                         const at::Tensor& mean, const at::Tensor& rstd, bool rms, at::Tensor& dx,
+                         at::Tensor& part_w, at::Tensor& part_b) {
   using A = acc_t<T>;
+  std::vector<A> w_buf;
   BwdArgs<T> a{};
   a.dy = dy.const_data_ptr<T>();
   a.dh = dh ? dh->const_data_ptr<T>() : nullptr;
@@ -337,7 +361,7 @@ void layer_norm_bwd_impl(const at::Tensor& dy, const std::optional<at::Tensor>& 
   a.dy_stride = dy.stride(0);
   a.dh_stride = dh ? dh->stride(0) : 0;
   a.h_stride = h.stride(0);
-  a.w = w_acc.const_data_ptr<A>();
+  a.w = acc_values<A>(weight, h.size(1), A(1), w_buf);
   a.mean = rms ? nullptr : mean.const_data_ptr<float>();
   a.rstd = rstd.const_data_ptr<float>();
   a.dx = dx.data_ptr<T>();
@@ -365,14 +389,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cpu(
   check_layer_norm_fwd(x, residual, weight, bias, /*allow_double=*/true);
   LayerNormFwdOutputs out = layer_norm_fwd_outputs(x, residual.has_value(), eps, rms);
   if (out.empty) return out.tuple();
-  const int64_t n = x.size(1);
-  // weight / bias as the accumulation dtype (ones / zeros when absent): N values, read by all rows.
-  const auto acc = acc_dtype(x.scalar_type());
-  const auto acc_opts = x.options().dtype(acc);
-  const at::Tensor w_acc = weight ? weight->to(acc) : at::ones({n}, acc_opts);
-  const at::Tensor b_acc = bias ? bias->to(acc) : at::zeros({n}, acc_opts);
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "layer_norm_fwd_cpu", [&] {
-    layer_norm_fwd_impl<scalar_t>(x, residual, w_acc, b_acc, eps, rms, out.y, out.h, out.mean,
+    layer_norm_fwd_impl<scalar_t>(x, residual, weight, bias, eps, rms, out.y, out.h, out.mean,
                                   out.rstd);
   });
   return out.tuple();
@@ -396,9 +414,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
     part_b = at::empty({blocks, n}, acc_opts);
   }
   if (m > 0 && n > 0) {
-    const at::Tensor w_acc = weight ? weight->to(acc) : at::ones({n}, acc_opts);
     FASTATTN_DISPATCH_FLOATING_HALF_BF16(h.scalar_type(), "layer_norm_bwd_cpu", [&] {
-      layer_norm_bwd_impl<scalar_t>(dy, dh, h, w_acc, mean, rstd, rms, dx, part_w, part_b);
+      layer_norm_bwd_impl<scalar_t>(dy, dh, h, weight, mean, rstd, rms, dx, part_w, part_b);
     });
   }
   auto finish = [&](bool want, const at::Tensor& part) {

@@ -108,8 +108,11 @@ def _rows(t: Tensor, n: int) -> Tensor:
 
 
 def _flat(t: Tensor | None, n: int) -> Tensor | None:
-    """A weight or bias as the (n,) vector the kernels take (None stays None)."""
-    return t if t is None or t.dim() == 1 else t.reshape(n)
+    """A weight or bias as the contiguous (n,) vector the kernels take (None stays None)."""
+    if t is None:
+        return t
+    t = t if t.dim() == 1 else t.reshape(n)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _compiled(fwd):
@@ -184,8 +187,11 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
             raise ValueError(f"{arg} has shape {list(t.shape)}, expected {list(want)}")
         if t.device != device:
             raise ValueError(f"{arg} is on {t.device} but {name} is on {x.device}")
-        if not t.is_floating_point():
-            raise TypeError(f"{arg} has dtype {t.dtype}; it must be a floating dtype")
+        if arg != "residual" and t.dtype not in (x.dtype, torch.float32):  # (as F.layer_norm)
+            raise TypeError(f"{arg} has dtype {t.dtype}; it must have {name}'s dtype {x.dtype} or "
+                            f"be float32")
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        raise TypeError(f"weight and bias must share a dtype, got {weight.dtype} and {bias.dtype}")
     if residual is not None and residual.dtype != x.dtype:
         raise TypeError(f"residual has dtype {residual.dtype}, {name} {x.dtype}: they must match")
     if rms and bias is not None:
