@@ -441,6 +441,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        # (restated for the cpu backend's one-call training path: csrc/eager.cpp AttentionFn;
+        # change both, tests/test_eager_fast_path.py compares their bits)
         q, k, v, out, lse, mask = ctx.saved_tensors
         needs = (*ctx.needs_input_grad[:3], ctx.float_mask and ctx.needs_input_grad[3])
         none = (None,) * 10

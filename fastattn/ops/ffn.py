@@ -69,6 +69,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ops, ctx, dout, _dpre):
+    # (restated for the cpu backend's one-call training path: csrc/eager.cpp FfnFn; change both,
+    # tests/test_eager_fast_path.py compares their bits)
     if dout is None:  # (pre, an internal output, gets no gradient; or an undefined one)
         return (None,) * 6
     x, w1, w2, pre = ctx.saved_tensors

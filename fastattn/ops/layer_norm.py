@@ -55,6 +55,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ops, ctx, dy, dh, _dmean, _drstd):
+    # (restated for the cpu backend's one-call training path: csrc/eager.cpp LayerNormFn; change
+    # both, tests/test_eager_fast_path.py compares their bits)
     h, weight, mean, rstd = ctx.saved_tensors
     if dy is None and dh is None:  # (the statistics get no gradient)
         return (None,) * 6
