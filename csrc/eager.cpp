@@ -194,8 +194,7 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     ctx->save_for_backward({rows, wf.value_or(Tensor()), mean, rstd});
     saved(ctx, "rms") = rms;
     saved(ctx, "x") = x.sizes().vec();
-    if (w) saved(ctx, "w") = w->sizes().vec();
-    if (b) saved(ctx, "b") = b->sizes().vec();
+    if (w || b) saved(ctx, "w") = (w ? *w : *b).sizes().vec();  // (normalized_shape: both's)
     if (b) saved(ctx, "b_dtype") = b->scalar_type();
     return {y};
   }
@@ -204,7 +203,7 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     static const auto bwd = op<LayerNormBwd>("fastattn::layer_norm_bwd");
     const variable_list s = ctx->get_saved_variables();
     const Tensor &rows = s[0], &w = s[1], &mean = s[2], &rstd = s[3];
-    const bool has_bias = ctx->saved_data.count("b") > 0;
+    const bool has_bias = ctx->saved_data.count("b_dtype") > 0;
     // (needs_input_grad counts the tensor inputs given: x, then w and b where given)
     const std::array<bool, 2> want{w.defined() && ctx->needs_input_grad(1),
                                    has_bias && ctx->needs_input_grad(w.defined() ? 2 : 1)};
@@ -213,12 +212,13 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
                                  mean, rstd, saved(ctx, "rms").toBool(), want);
     variable_list out(6);
     out[0] = dx.view(saved(ctx, "x").toIntVector());
-    if ((dw = defined_or_none(dw)).defined()) out[1] = dw.view(saved(ctx, "w").toIntVector());
+    const auto w_shape = [&] { return saved(ctx, "w").toIntVector(); };
+    if ((dw = defined_or_none(dw)).defined()) out[1] = dw.view(w_shape());
     db = defined_or_none(db);
     if (!db.defined() && has_bias && !w.defined() && want[1]) {  // a bias without a weight
       db = dy.sum(0, false, at::kFloat).to(saved(ctx, "b_dtype").toScalarType());
     }
-    if (db.defined()) out[2] = db.view(saved(ctx, "b").toIntVector());
+    if (db.defined()) out[2] = db.view(w_shape());
     return out;
   }
 };
@@ -289,7 +289,8 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
                                int64_t right) {
     auto [out, lse] = attention_kernel(q, k, v, scale, offset, left, right);
     ctx->save_for_backward({q, k, v, out, lse});
-    saved(ctx, "args") = std::vector<double>{scale, double(offset), double(left), double(right)};
+    saved(ctx, "scale") = scale;
+    saved(ctx, "band") = std::vector<int64_t>{offset, left, right};
     return {out};
   }
 
@@ -300,9 +301,9 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
                            ctx->needs_input_grad(2)};
     variable_list res(7);
     if (!(needs[0] || needs[1] || needs[2])) return res;
-    const std::vector<double> a = saved(ctx, "args").toDoubleVector();
-    const double scale = a[0];
-    const int64_t offset = int64_t(a[1]), left = int64_t(a[2]), right = int64_t(a[3]);
+    const double scale = saved(ctx, "scale").toDouble();
+    const std::vector<int64_t> band = saved(ctx, "band").toIntVector();
+    const int64_t offset = band[0], left = band[1], right = band[2];
     if (at::GradMode::is_enabled() &&
         (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
       // create_graph=True: the Python formula's differentiable backward (attention._Attention)

@@ -167,3 +167,14 @@ def backend_params(op):
         marks = [pytest.mark.skip(reason=reason)] if reason else []
         params.append(pytest.param(name, device, id=name, marks=marks))
     return params
+
+
+def graph_nodes(t):
+    """The names (``Node.name()``) of the autograd nodes behind ``t``, each once."""
+    seen, todo = [], [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in seen:
+            seen.append(node.name())
+            todo += [n for n, _ in node.next_functions]
+    return seen

@@ -17,6 +17,8 @@ import fastattn
 from fastattn import _extension
 from fastattn.ops import _library
 
+from conftest import graph_nodes
+
 pytestmark = pytest.mark.skipif(
     _extension.eager_function("attention") is None, reason="the extension has no eager fast path")
 
@@ -291,17 +293,7 @@ def _run_training(make, python_path):
         out = fn(*inputs)
     leaves = [t for t in inputs if t is not None and t.requires_grad]
     cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    return out, torch.autograd.grad(out, leaves, cot), _graph_nodes(out)
-
-
-def _graph_nodes(t):
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node.name() not in seen:
-            seen.add(node.name())
-            todo += [n for n, _ in node.next_functions]
-    return seen
+    return out, torch.autograd.grad(out, leaves, cot), graph_nodes(out)
 
 
 @pytest.mark.parametrize("case", list(_TRAINING_CASES))

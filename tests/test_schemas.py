@@ -10,6 +10,8 @@ import fastattn
 from fastattn import _extension, backends
 from fastattn.ops import _library
 
+from conftest import graph_nodes
+
 
 def _normalized(op) -> str:
     """An op's schema without its name, in one spelling: torch infers a Triton launcher's ``int``
@@ -166,17 +168,6 @@ def _eager_fast_path_calls():
     ]
 
 
-def _graph_nodes(t):
-    """The names of the autograd nodes behind ``t``."""
-    seen, todo = [], [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and type(node).__name__ not in seen:
-            seen.append(type(node).__name__)
-            todo += [n for n, _ in node.next_functions]
-    return seen
-
-
 @pytest.mark.skipif(not _extension.loaded(), reason=str(_extension.error()))
 @pytest.mark.parametrize("case", range(5))
 def test_the_eager_fast_path_applies_the_registered_formula(case, monkeypatch):
@@ -192,7 +183,7 @@ def test_the_eager_fast_path_applies_the_registered_formula(case, monkeypatch):
         leaves = [t.clone().requires_grad_() for t in inputs]
         out = fn(*leaves)
         outs = out if isinstance(out, tuple) else (out,)
-        nodes = _graph_nodes(outs[0])
+        nodes = graph_nodes(outs[0])
         assert any("_EagerAutograd" in n for n in nodes) == fast, nodes
         cots = [torch.full_like(o, 0.5) + torch.arange(o.numel(), dtype=o.dtype).view(o.shape) / 7
                 for o in outs]

@@ -75,7 +75,6 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 #include "fastattn/common.h"
@@ -110,7 +109,7 @@ struct FwdArgs {
   const uint8_t* dead;   // masked_key_tiles (per b * H + h and key tile), or null
   // outputs: out (B, H, Lq, Dv) and lse (B, H, Lq); or, for the statistics-only sweep of the
   // float64 backward, lse_acc (B * H, lse_ld) with +inf for rows with nothing to attend.
-  A* out;  // (unused where out_row is set, below)
+  void* out;  // of the output's dtype T: written by out_row (below)
   float* lse;
   A* lse_acc;
   int64_t lse_ld;
@@ -122,10 +121,9 @@ struct FwdArgs {
   // tasks of one kv head at a time (bh = t / nqb), so its key tiles are packed once, not once
   // per task (a task per (b, h, query block) otherwise).
   bool kv_major = false;
-  // Set for an output of another dtype than A (float16 / bfloat16): out_row stores row `index`
-  // (Dv values o * inv, rounded once) into out_t; no A copy of the output, no second pass.
-  void (*out_row)(void* out_t, int64_t index, const A* o, A inv, int64_t Dv) = nullptr;
-  void* out_t = nullptr;
+  // Stores row `index` of the output (Dv values o * inv, rounded once to T: a float16 / bfloat16
+  // output needs no A copy and no second pass); set wherever out is (store_out_row<T, A>).
+  void (*out_row)(void* out, int64_t index, const A* o, A inv, int64_t Dv) = nullptr;
 };
 
 template <class V, bool kStats>
@@ -202,12 +200,7 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
       } else {
         const A inv = dead ? A(0) : A(1) / l[r];
         const A* o = obuf.data() + r * Dvp;
-        if (p.out_row != nullptr) {
-          p.out_row(p.out_t, bh * sh.Lq + i, o, inv, Dv);
-        } else {
-          A* dst = p.out + (bh * sh.Lq + i) * Dv;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = o[d] * inv;
-        }
+        p.out_row(p.out, bh * sh.Lq + i, o, inv, Dv);
         p.lse[bh * sh.Lq + i] = static_cast<float>(lse);
       }
     }
@@ -632,7 +625,6 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
                    v.const_data_ptr<T>(), strides_of(v), sh, BK, ldk, static_cast<A>(scale),
                    qp.data_ptr<A>(), kt.data_ptr<A>(), vp.data_ptr<A>(), Dvp);
   }
-  constexpr bool kNarrow = !std::is_same_v<T, A>;  // (float16 / bfloat16 out: stored row by row)
   const std::vector<int64_t> order = query_order(band, sh.Lq, sh.Lk, BQ, BK);
   const std::vector<uint8_t> v_bad =
       local ? std::vector<uint8_t>{} : nonfinite_tiles(vp.const_data_ptr<A>(), sh.B * sh.Hkv, sh.Lk, Dvp, BK);
@@ -640,13 +632,9 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   FwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), qp.const_data_ptr<A>(), sh.D,
                local ? nullptr : kt.const_data_ptr<A>(), local ? nullptr : vp.const_data_ptr<A>(),
                Dvp, BQ, BK, ldk, nqb, nkb, order.data(), v_bad.empty() ? nullptr : v_bad.data(),
-               dead.empty() ? nullptr : dead.data(),
-               kNarrow ? nullptr : reinterpret_cast<A*>(out.data_ptr<T>()), lse.data_ptr<float>(),
+               dead.empty() ? nullptr : dead.data(), out.data_ptr<T>(), lse.data_ptr<float>(),
                nullptr, 0};
-  if constexpr (kNarrow) {
-    p.out_row = &store_out_row<T, A>;
-    p.out_t = out.data_ptr<T>();
-  }
+  p.out_row = &store_out_row<T, A>;
   if (local) {
     p.pack_tile = &KvTiles<T, A>::pack;
     p.pack_ctx = &tiles;
