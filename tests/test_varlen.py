@@ -265,14 +265,18 @@ def test_hf_packed_batch_equals_eager(transformers, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("backend,device", [p for p in BACKENDS if p.id in ("cpu", "naive")])
-def test_many_short_sequences(backend, device):
+@pytest.mark.parametrize("lens_q,lens_k", [
+    ([3, 1, 0, 7, 2, 5, 1, 4, 6], [6, 4, 1, 5, 2, 7, 0, 1, 3]),     # all in parallel
+    ([3, 40, 0, 7, 2, 5, 1, 4, 6], [3, 40, 0, 7, 2, 5, 1, 4, 6]),   # the long one alone first
+], ids=["short", "one-long"])
+def test_many_short_sequences(backend, device, lens_q, lens_k):
     """More sequences than threads: the cpu backend runs sequences in parallel (each dense call
-    on one thread); the result and gradients must not change."""
+    on one thread), after any sequence with more than a thread's share of the work, which runs
+    alone (parallel inside); the result and gradients must not change."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        lens = [3, 1, 0, 7, 2, 5, 1, 4, 6]
-        q, k, v, cu_q, cu_k = _packed(lens, lens[::-1], 4, 2, 16, 16, device, dtype=torch.float64)
+        q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 16, 16, device, dtype=torch.float64)
         out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, causal="bottom_right", backend=backend)
         cu = (cu_q.cpu(), cu_k.cpu())
         ref_out, _ = reference.varlen_attention(to_numpy(q), to_numpy(k), to_numpy(v), *cu,

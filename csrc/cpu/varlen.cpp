@@ -20,9 +20,10 @@
 // * varlen forward / backward: each sequence is the dense CPU attention (fastattn::attention_fwd
 //   / _bwd, csrc/cpu/attention.cpp: blocked GEMM tiles, online softmax, SIMD) on strided
 //   (1, H, L, D) views of the packed tensors, with the sequence's band offset and batch row b's
-//   dropout stream; only the outputs are copied into the packed layout. Many sequences (at
-//   least twice the threads) run in parallel, longest first, each dense call on one thread;
-//   fewer run one after another, each parallel over heads and query blocks inside.
+//   dropout stream; only the outputs are copied into the packed layout. Longest first: a
+//   sequence with more than a thread's share of the work left, and the last ones when fewer
+//   than two per thread are left, run one after another, each parallel over heads and query
+//   blocks inside; the others run in parallel, each dense call on one thread (for_sequences).
 // * paged forward (decoding: few queries, many keys) splits the key axis as flash-decoding does:
 //   one task per (sequence, kv head, key split) covers the Lq rows of every query head of the GQA
 //   group (so each cached key row is read from memory once per split), keys as rows (scores by
@@ -74,6 +75,7 @@ inline RowBand row_band(int64_t i, int64_t lq, int64_t lk, bool bottom_right, in
 
 template <class Worker>
 void run_tasks(int64_t ntasks, const Worker& worker) {
+  if (ntasks <= 0) return;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t t = next++; t < ntasks; t = next++) worker(t);
@@ -157,26 +159,34 @@ int64_t sequence_seed(int64_t seed, int64_t b, int64_t H) {
                               0x9E3779B9u * static_cast<uint32_t>(b) * static_cast<uint32_t>(H));
 }
 
-// Runs fn(b) for every sequence: in parallel over sequences when there are many (each dense call
-// then runs on its worker's thread), else one after another with each call parallel inside.
+// Runs fn(b) for every sequence, longest (lq * lk) first. A sequence that alone holds more than
+// a thread's share of the work left (its own included) runs by itself, parallel inside (heads and
+// query blocks), as do the last ones when fewer than two per thread are left; the others run in
+// parallel, one sequence per thread (each dense call on its worker's thread). One thread per
+// sequence alone left 4 sequences of 1024, 563, 307 and 154 tokens on 2 threads at 1024^2
+// against 563^2 + 307^2 + 154^2: one thread idle 60% of the time.
 template <class Fn>
 void for_sequences(const VarlenShape& s, const Fn& fn) {
   const int64_t threads = at::get_num_threads();
-  if (s.batch >= 2 * threads && threads > 1) {
-    // Longest first, so that the last tasks are short.
-    std::vector<int64_t> order(s.batch);
-    for (int64_t b = 0; b < s.batch; ++b) order[b] = b;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-      return (s.cq[x + 1] - s.cq[x]) * (s.ck[x + 1] - s.ck[x]) > (s.cq[y + 1] - s.cq[y]) * (s.ck[y + 1] - s.ck[y]);
-    });
-    run_tasks(s.batch, [&](int64_t t) {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      fn(order[t]);
-    });
-  } else {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    for (int64_t b = 0; b < s.batch; ++b) fn(b);
+  auto work = [&](int64_t b) { return (s.cq[b + 1] - s.cq[b]) * (s.ck[b + 1] - s.ck[b]); };
+  std::vector<int64_t> order(s.batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return work(x) > work(y); });
+  int64_t left = 0;
+  for (int64_t b = 0; b < s.batch; ++b) left += work(b);
+  int64_t alone = 0;  // order[0, alone) run by themselves
+  while (alone < s.batch && (threads <= 1 || s.batch - alone < 2 * threads ||
+                             work(order[alone]) * threads > left)) {
+    left -= work(order[alone++]);
   }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    for (int64_t t = 0; t < alone; ++t) fn(order[t]);
+  }
+  run_tasks(s.batch - alone, [&](int64_t t) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    fn(order[alone + t]);
+  });
 }
 
 int64_t seq_offset(const VarlenShape& s, int64_t b, bool bottom_right) {
