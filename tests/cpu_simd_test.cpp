@@ -3,7 +3,9 @@
 // for every float32 high half with low halves that cover each rounding boundary (ties, both sides
 // of them, all dropped bits set), at widths 4, 8 and 16; load_bf16 / store_bf16 and their even /
 // odd pair forms likewise. A NaN only has to stay a NaN of its sign (c10's payload depends on
-// whether it was compiled for F16C).
+// whether it was compiled for F16C). And the softmax's exp (vexp_shifted) against vexp: the same
+// bits for float32 inputs at most 88 (every one in [-88, -86] around the low cut and next to
+// zero, every 61st other negative pattern, every 97th positive one), NaN for NaN.
 // Exits non-zero and prints the first mismatches on failure.
 #include <cmath>
 #include <cstdint>
@@ -114,7 +116,31 @@ void check_narrowing() {
   }
 }
 
+template <int W>
+void check_exp_shifted() {
+  using V = Vec<float, W>;
+  auto check = [](uint32_t u) {
+    float in[W], got[W], want[W];
+    for (int i = 0; i < W; ++i) in[i] = from_bits(u + i);
+    fastattn::cpu::vexp_shifted(V::load(in)).store(got);
+    fastattn::cpu::vexp(V::load(in)).store(want);
+    for (int i = 0; i < W; ++i) {
+      const bool same = std::isnan(in[i]) ? std::isnan(got[i]) : bits(got[i]) == bits(want[i]);
+      if (!same) fail("vexp_shifted", bits(in[i]), bits(got[i]), bits(want[i]));
+    }
+  };
+  for (uint64_t u = 0x80000000u; u + W <= 0x100000000u; u += 61 * W) check(static_cast<uint32_t>(u));
+  for (uint32_t u = bits(-86.0f); u < bits(-88.0f); u += W) check(u);  // around the low cut, all
+  for (uint32_t u = 0x80000000u; u < 0x80000000u + 4096 * W; u += W) check(u);  // -0 and tiny
+  const uint32_t top = bits(88.0f);
+  for (uint32_t u = 0; u + W <= top; u += 97 * W) check(u);
+  for (uint32_t u = 0x7F800001u; u < 0x7F800001u + 64 * W; u += W) check(u);  // NaNs
+}
+
 int main() {
+  check_exp_shifted<4>();
+  check_exp_shifted<8>();
+  check_exp_shifted<16>();
   check_widening<4>();
   check_widening<8>();
   check_widening<16>();

@@ -170,9 +170,9 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
       for (int64_t r = 0; r < nq; ++r) {
         A* sr = s + r * BK;
         const int64_t i = i0 + r;
-        mask_band_row(sr, p.mask, p.band, b, h, i, tile);
+        const A mx = mask_band_max_row<V>(sr, p.mask, p.band, b, h, i, tile);
         A alpha;
-        if (!online_softmax_row<V>(sr, nk, nkp, m[r], l[r], alpha)) {
+        if (!online_softmax_row<V>(sr, nk, nkp, mx, m[r], l[r], alpha)) {
           if constexpr (!kStats) std::fill(sr, sr + nk, -A(0));  // nothing visible yet: P = -0.0
           continue;
         }

@@ -419,7 +419,7 @@ FASTATTN_INLINE typename V::value_type max_row(const typename V::value_type* s, 
 template <class V>
 FASTATTN_INLINE V exp_live(V x, V m) {
   using A = typename V::value_type;
-  return V::select_neg_inf(x, V(-A(0)), cpu::vexp(x - m));
+  return V::select_neg_inf(x, V(-A(0)), cpu::vexp_shifted(x - m));
 }
 
 // s = exp(s - m) in place (-0.0 where s = -inf); returns the sum.
@@ -571,18 +571,33 @@ FASTATTN_INLINE void mask_band_row(A* sr, const cpu::MaskView& mask, const Band&
   }
 }
 
+// mask_band_row, returning the row's maximum over its t.nkp scores (max_row's): on a tile inside
+// the band with a mask, the mask and the maximum in one pass (cpu::apply_mask_row_max).
+template <class V>
+FASTATTN_INLINE typename V::value_type mask_band_max_row(typename V::value_type* sr,
+                                                         const cpu::MaskView& mask,
+                                                         const Band& band, int64_t b, int64_t h,
+                                                         int64_t i, const KeyTile& t) {
+  if (t.full && mask.defined()) {
+    return cpu::apply_mask_row_max<V>(sr, t.nk, t.nkp, mask, mask.offset(b, h, i, t.j0),
+                                      mask.stride[3]);
+  }
+  mask_band_row(sr, mask, band, b, h, i, t);
+  return max_row<V>(sr, t.nkp);
+}
+
 // One online-softmax step (the forward's and the JVP's) on row s of a score tile: nk scores,
-// padded with -inf to n (a multiple of V::size), and the row's running max m and sum l. Sets
+// padded with -inf to n (a multiple of V::size), their maximum mx (mask_band_max_row's), and the
+// row's running max m and sum l. Sets
 // s = exp(s - m_new) (P unnormalized, -0.0 where masked), l = l * alpha + rowsum(s), m = m_new,
 // and alpha = exp(m_old - m_new), the factor the row's accumulators take. A NaN score makes the
 // row NaN (std::max(m, NaN) would drop it). Returns false, changing nothing, while the row has
 // seen no visible key (every score -inf, no NaN hiding from max_row): its P is -0.0 (masked) there.
 template <class V>
 FASTATTN_INLINE bool online_softmax_row(typename V::value_type* s, int64_t nk, int64_t n,
-                                        typename V::value_type& m, typename V::value_type& l,
-                                        typename V::value_type& alpha) {
+                                        typename V::value_type mx, typename V::value_type& m,
+                                        typename V::value_type& l, typename V::value_type& alpha) {
   using A = typename V::value_type;
-  const A mx = max_row<V>(s, n);
   A m_new = mx != mx ? mx : std::max(m, mx);
   if (m_new == -std::numeric_limits<A>::infinity()) {
     if (std::none_of(s, s + nk, [](A x) { return x != x; })) return false;

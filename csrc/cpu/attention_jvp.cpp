@@ -107,9 +107,9 @@ FASTATTN_INLINE void jvp_worker(const JvpArgs<typename V::value_type>& p, std::a
         if (p.tmask.defined()) {
           cpu::apply_mask_row(tr, nk, p.tmask, p.tmask.offset(b, h, i, j0), p.tmask.stride[3]);
         }
-        mask_band_row(sr, p.mask, p.band, b, h, i, tile);
+        const A mx = mask_band_max_row<V>(sr, p.mask, p.band, b, h, i, tile);
         A alpha;  // sr = P (unnormalized), -0.0 masked
-        if (!online_softmax_row<V>(sr, nk, nkp, m[r], l[r], alpha)) {
+        if (!online_softmax_row<V>(sr, nk, nkp, mx, m[r], l[r], alpha)) {
           std::fill(sr, sr + nkp, -A(0));  // nothing visible yet: P = -0.0
           std::fill(tr, tr + nkp, -A(0));
           continue;

@@ -122,14 +122,14 @@ FASTATTN_INLINE void softmax_row(const X* x, T* y, typename V::value_type* s, in
   V a0(A(0)), a1(A(0));
   c = 0;
   for (; c + 2 * W <= n; c += 2 * W) {
-    const V e0 = cpu::vexp(scaled(c) - mv), e1 = cpu::vexp(scaled(c + W) - mv);
+    const V e0 = cpu::vexp_shifted(scaled(c) - mv), e1 = cpu::vexp_shifted(scaled(c + W) - mv);
     e0.store(e + c);
     e1.store(e + c + W);
     a0 = a0 + e0;
     a1 = a1 + e1;
   }
   for (; c + W <= n; c += W) {
-    const V e0 = cpu::vexp(scaled(c) - mv);
+    const V e0 = cpu::vexp_shifted(scaled(c) - mv);
     e0.store(e + c);
     a0 = a0 + e0;
   }

@@ -402,7 +402,7 @@ FASTATTN_INLINE void paged_worker(const PagedArgs<T>& p, std::atomic<int64_t>& n
         const A alpha = m[r] == ninf ? A(0) : cpu::sexp(m[r] - m_new);
         A sum = 0;
         for (int64_t jj = 0; jj < nv; jj += W) {
-          V e = cpu::vexp(V::load(sc + jj) - V(m_new));
+          V e = cpu::vexp_shifted(V::load(sc + jj) - V(m_new));
           e.store(sc + jj);
         }
         for (int64_t jj = 0; jj < lo; ++jj) sc[jj] = A(0);
