@@ -195,9 +195,10 @@ def eager_fast_path(op: str, backend: str | None, *args):
     gradient under grad mode (or, for the functions with a training path in the extension, in
     plain eager mode: :func:`plain_eager`), and when the backend choice for that tensor's device
     and dtype (the call's ``backend=``, then ``use_backend``, then the environment, then the
-    device's best) is the cpu backend's own implementation. The C++ function checks the rest (plain CPU tensors,
-    no tangent, no dispatch mode or JIT trace, valid arguments) and returns None where the Python
-    path must run: that path checks the arguments and raises the errors, written once."""
+    device's best) is the cpu backend's own implementation. The C++ function checks the rest
+    (plain CPU tensors, no tangent, no dispatch mode or JIT trace, valid arguments) and returns
+    None where the Python path must run: that path checks the arguments and raises the errors,
+    written once."""
     x = args[0]
     if (IS_COMPILING() or not EAGER_FAST_PATH or not isinstance(x, torch.Tensor)
             or backends.device_type(x.device) != "cpu"):  # (a GPU call leaves here)

@@ -272,15 +272,6 @@ struct Vec {
 };
 #endif
 
-// exp, lane-wise. float: Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp
-// on the normal range); exp(x) = 0 exactly for x < -86.95 (so -inf gives 0), +inf above
-// ln(FLT_MAX), NaN stays NaN. double: std::exp per lane (the float64 path is for gradcheck).
-// The low cut is 2^-125.4, not ln(FLT_MIN): clamped there, the scale 2^n stays at 2^-125 and
-// p * 2^n stays normal. At ln(FLT_MIN) it took n = -126 and made a subnormal product for every
-// -inf score (a masked-out key), which x86 finishes in microcode (an "assist", ~100+ cycles a
-// vector), before the select threw it away: a (1, 1, 2048, 2048) mask with a fifth of its
-// entries out cost the bf16 attention backward ~6 ms more than one with none (AVX2, 2 threads).
-// Values in [2^-126, 2^-125.4) become 0: 1.2e-38 .. 1.8e-38, far under any tolerance here.
 // vexp's polynomial and scaling for xc in [-86.95, 88.38] (a NaN stays NaN on the vector path).
 template <int W>
 FASTATTN_INLINE Vec<float, W> vexp_clamped(Vec<float, W> xc) {
@@ -312,6 +303,15 @@ FASTATTN_INLINE Vec<float, W> vexp_clamped(Vec<float, W> xc) {
 #endif
 }
 
+// exp, lane-wise. float: Cephes' expf (range reduction by ln 2, degree-6 polynomial, about 1 ulp
+// on the normal range); exp(x) = 0 exactly for x < -86.95 (so -inf gives 0), +inf above
+// ln(FLT_MAX), NaN stays NaN. double: std::exp per lane (the float64 path is for gradcheck).
+// The low cut is 2^-125.4, not ln(FLT_MIN): clamped there, the scale 2^n stays at 2^-125 and
+// p * 2^n stays normal. At ln(FLT_MIN) it took n = -126 and made a subnormal product for every
+// -inf score (a masked-out key), which x86 finishes in microcode (an "assist", ~100+ cycles a
+// vector), before the select threw it away: a (1, 1, 2048, 2048) mask with a fifth of its
+// entries out cost the bf16 attention backward ~6 ms more than one with none (AVX2, 2 threads).
+// Values in [2^-126, 2^-125.4) become 0: 1.2e-38 .. 1.8e-38, far under any tolerance here.
 template <int W>
 FASTATTN_INLINE Vec<float, W> vexp(Vec<float, W> x) {
   using V = Vec<float, W>;
@@ -341,15 +341,15 @@ FASTATTN_INLINE Vec<float, W> vexp_shifted(Vec<float, W> x) {
 }
 
 template <int W>
-FASTATTN_INLINE Vec<double, W> vexp_shifted(Vec<double, W> x) {
-  return vexp(x);
-}
-
-template <int W>
 FASTATTN_INLINE Vec<double, W> vexp(Vec<double, W> x) {
   Vec<double, W> r;
   for (int i = 0; i < W; ++i) r.v[i] = std::exp(x.v[i]);
   return r;
+}
+
+template <int W>
+FASTATTN_INLINE Vec<double, W> vexp_shifted(Vec<double, W> x) {
+  return vexp(x);
 }
 
 // Scalar exp matching vexp's float results (used for row tails and scalars).
