@@ -42,6 +42,22 @@ def test_ffn_matches_reference_bf16(backend, device, activation):
     _check(backend, device, activation, ((17,), 40, 1000, 24), True, torch.bfloat16)
 
 
+CPU = "cpu" in fastattn.backends.implementations("ffn") and fastattn.backend_status()["cpu"] is None
+
+
+@pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
+@pytest.mark.parametrize("gemm", ["float32", "native"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_cpu_16bit_matmuls_on_either_path(monkeypatch, gemm, dtype, activation):
+    """The cpu backend runs 16-bit FFN matmuls in float32 on CPUs without bf16 / fp16 dot
+    instructions and as ATen's 16-bit GEMMs on the others (FASTATTN_CPU_FFN_GEMM=float32 / native
+    forces one): either way output and gradients match the reference as closely as eager torch."""
+    monkeypatch.setenv("FASTATTN_CPU_FFN_GEMM", gemm)
+    _check("cpu", "cpu", activation, ((2, 9), 40, 100, 24), True, dtype)
+    _check("cpu", "cpu", activation, ((17,), 40, 33, 24), False, dtype)
+
+
 def _check(backend, device, activation, shape, bias, dtype):
     lead, d, hidden, d_out = shape
     g = torch.Generator().manual_seed(hidden + d)

@@ -7,7 +7,9 @@
 //             dx = dpre w1,  dw1 = dpre^T x,  dw2 = dout^T a,  db1 = sum_rows dpre,
 //             db2 = sum_rows dout
 //
-// The four matmuls of each direction are ATen's (at::addmm / at::mm: MKL / oneDNN). Ours are the
+// The four matmuls of each direction are ATen's (at::addmm / at::mm: MKL / oneDNN), in float32
+// for bfloat16 / float16 inputs on a CPU without dot-product instructions for them (gemm_in_float
+// below: oneDNN's 16-bit GEMMs there run 10-130x slower than MKL's float32 ones). Ours are the
 // fused elementwise passes: forward writes `a` from `pre` in one pass (pre, with the bias added by
 // addmm, is what is returned and saved); backward reads `pre` and `da` once and writes `dpre`
 // and the recomputed `a` (the operand of dw2), and sums dpre's columns (db1) on the way into
@@ -29,6 +31,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -346,6 +351,61 @@ void check_bias(const std::optional<at::Tensor>& b, int64_t n, const at::Tensor&
               "), got ", b->scalar_type());
 }
 
+// ---------------------------------------------------------------------------------------------
+// The matmuls' dtype.
+//
+// ATen's bfloat16 / float16 GEMMs (oneDNN) are fast only on CPUs with dot-product instructions
+// for that type: avx512_bf16 or AMX-BF16 for bfloat16, avx512_fp16 for float16. Elsewhere they
+// run 10x (x w^T) to 130x (dy w) slower than MKL's float32 GEMM on the same operands (AMD EPYC,
+// AVX2, 256 x 256 x 1024: 10.3 / 130 ms against 1.0 ms; bench/results/cpu-notes.md, session 27).
+// There the operands are converted to float32, multiplied by the float32 GEMM and the product
+// rounded once to the input dtype. That is the 16-bit GEMM's own contract (exact products,
+// float32 accumulation, one rounding), so results differ from it only in summation order.
+// With FASTATTN_CPU_ISA capping our kernels below AVX-512 the CPU is taken to have neither (the
+// bench's "AVX2 on an AVX-512 machine" runs). FASTATTN_CPU_FFN_GEMM=native / float32 (or any other
+// value) forces one path for 16-bit inputs (read on every call); the first call converting is logged (INFO).
+
+bool cpu_has_dot_for(at::ScalarType st) {
+#if FASTATTN_X86_DISPATCH
+  if (cpu::cpu_isa() != cpu::Isa::kAvx512) return false;
+  static const bool bf16 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16") ||
+                                                      __builtin_cpu_supports("amx-bf16"));
+  static const bool fp16 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512fp16"));
+  return st == at::kBFloat16 ? bf16 : fp16;
+#else
+  (void)st;
+  return true;  // not measured off x86: ATen's GEMMs as they are
+#endif
+}
+
+bool gemm_in_float(at::ScalarType st) {
+  if (st != at::kBFloat16 && st != at::kHalf) return false;
+  const char* env = std::getenv("FASTATTN_CPU_FFN_GEMM");
+  const bool up = env != nullptr && env[0] != '\0' ? std::strcmp(env, "native") != 0 : !cpu_has_dot_for(st);
+  if (up) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      LOG(INFO) << "fastattn cpu ffn: 16-bit matmuls run in float32, the faster GEMM on a CPU "
+                << "without bf16 / fp16 dot-product instructions (FASTATTN_CPU_FFN_GEMM=native keeps "
+                << "ATen's 16-bit GEMMs)";
+    });
+  }
+  return up;
+}
+
+// The matmuls' operands: as given, or converted to float32 (Gemm::in), and their products back
+// in the input dtype (Gemm::out). Convert each tensor once even where two matmuls read it.
+struct Gemm {
+  at::ScalarType dtype;
+  bool up;
+  explicit Gemm(at::ScalarType st) : dtype(st), up(gemm_in_float(st)) {}
+  at::Tensor in(const at::Tensor& t) const { return up ? t.to(at::kFloat) : t; }
+  std::optional<at::Tensor> in(const std::optional<at::Tensor>& t) const {
+    return t.has_value() ? std::optional<at::Tensor>(in(*t)) : std::nullopt;
+  }
+  at::Tensor out(const at::Tensor& t) const { return t.to(dtype); }
+};
+
 // x @ w^T (+ bias), contiguous.
 at::Tensor linear_bias(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   return b.has_value() ? at::addmm(*b, x, w.t()) : at::mm(x, w.t());
@@ -363,7 +423,8 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cpu(const at::Tensor& x, const at::Te
   const Dims d = check_ffn(x, w1, w2, act);
   check_bias(b1, d.F1, x, "b1");
   check_bias(b2, w2.size(0), x, "b2");
-  at::Tensor pre = linear_bias(x, w1, b1).contiguous();
+  const Gemm gemm(x.scalar_type());
+  at::Tensor pre = gemm.out(linear_bias(gemm.in(x), gemm.in(w1), gemm.in(b1))).contiguous();
   at::Tensor a = at::empty({d.M, d.F}, x.options());
   if (d.M > 0 && d.F > 0) {
     FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "ffn_fwd_cpu", [&] {
@@ -374,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cpu(const at::Tensor& x, const at::Te
       });
     });
   }
-  at::Tensor out = linear_bias(a, w2, b2);
+  at::Tensor out = gemm.out(linear_bias(gemm.in(a), gemm.in(w2), gemm.in(b2)));
   return {out, pre};
 }
 
@@ -389,7 +450,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   check_matrix(pre_in, x, "pre");
   check_shape(pre_in, {d.M, d.F1}, "pre");
   const at::Tensor pre = pre_in.contiguous();
-  const at::Tensor da = at::mm(dout, w2).contiguous();  // (M, F)
+  const Gemm gemm(x.scalar_type());
+  const at::Tensor dout_g = gemm.in(dout);
+  const at::Tensor da = gemm.out(at::mm(dout_g, gemm.in(w2))).contiguous();  // (M, F)
   at::Tensor dpre = at::empty({d.M, d.F1}, x.options());
   at::Tensor a = at::empty({d.M, d.F}, x.options());
   at::Tensor db1 = at::empty({0}, w1.options()), db2 = at::empty({0}, w2.options());
@@ -425,9 +488,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
                 .to(w2.scalar_type());
     }
   });
-  at::Tensor dw2 = at::mm(dout.t(), a);
-  at::Tensor dx = at::mm(dpre, w1);
-  at::Tensor dw1 = at::mm(dpre.t(), x);
+  const at::Tensor dpre_g = gemm.in(dpre);
+  at::Tensor dw2 = gemm.out(at::mm(dout_g.t(), gemm.in(a)));
+  at::Tensor dx = gemm.out(at::mm(dpre_g, gemm.in(w1)));
+  at::Tensor dw1 = gemm.out(at::mm(dpre_g.t(), gemm.in(x)));
   return {dx, dw1, db1, dw2, db2};
 }
 
