@@ -25,8 +25,8 @@
 //   instead (pack_kv_tile), in cache, and only q is packed first; where the kv heads also
 //   outnumber the threads, a worker takes all tasks of one kv head at once (kv_major), so each
 //   tile is packed once.
-// * On Intel CPUs the non-causal forward with no mask and no dropout (H == Hkv, D == Dv, float32
-//   or bfloat16) runs torch's own CPU flash attention, whose MKL GEMMs are the faster there
+// * On Intel and AMD Zen 3 CPUs the non-causal forward with no mask and no dropout (H == Hkv,
+//   D == Dv, float32 or bfloat16) runs torch's own CPU flash attention, the faster kernel there
 //   (torch_forward_applies, below); the NaN rule is checked on its output.
 // * Few queries (at most kDecodeRows rows per kv head, no mask, no dropout): the forward runs as
 //   decoding, through the paged forward's split-KV worker reading k and v rows in place
@@ -526,14 +526,18 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 // backward takes its output.
 // Where: on Intel CPUs, whose MKL GEMMs inside torch's kernel outrun our tile GEMMs (Xeon,
 // AVX-512 and AVX2: ours took 1.23-1.33x its time at 4x4x256x64 float32 on one thread; the
-// bench's plain forwards read 0.78-0.95x torch); not on AMD, where ours is 7-15% faster
-// (bench/results/cpu-notes.md, sessions 17 and 19). FASTATTN_CPU_TORCH_ATTENTION=0 / 1 turns it
-// off / on whatever the CPU (read on every call); the first call that takes it is logged (INFO).
+// bench's plain forwards read 0.78-0.95x torch), and on AMD Zen 3 (EPYC, AVX2: ours took
+// 1.15-1.16x its time on one thread at L 2048, D 64 and 128; on two threads ours read 0.83-0.93x
+// torch at B1 H8 L 1024-2048 and 1.04-1.07x at B1 H4 L 2048 and B2 H8 L 512, this path
+// 0.98-1.02x throughout); not on Zen 2 or Zen 4, where ours is 7-15% faster
+// (bench/results/cpu-notes.md, sessions 17, 19 and 27).
+// FASTATTN_CPU_TORCH_ATTENTION=0 / 1 turns it off / on whatever the CPU (read on every call); the
+// first call that takes it is logged (INFO).
 
 bool torch_forward_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            bool plain, const Band& band) {
   const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION");
-  const bool on = env != nullptr && env[0] != '\0' ? std::strcmp(env, "0") != 0 : cpu::intel_cpu();
+  const bool on = env != nullptr && env[0] != '\0' ? std::strcmp(env, "0") != 0 : cpu::intel_cpu() || cpu::zen3_cpu();
   const auto st = q.scalar_type();
   if (!on || !plain || q.size(1) != k.size(1) || q.size(3) != v.size(3) ||
       !(st == at::kFloat || st == at::kBFloat16)) {
