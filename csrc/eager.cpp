@@ -35,6 +35,8 @@
 #include <vector>
 
 #include "fastattn/activation.h"
+#include "fastattn/cpu_choices.h"
+#include "fastattn/cpu_simd.h"
 
 namespace py = pybind11;
 
@@ -513,6 +515,18 @@ py::object softmax(py::handle x_obj, py::handle scale_obj, py::handle causal_obj
   return py::cast(y);
 }
 
+// The cpu backend's CPU-dependent choices (fastattn/cpu_choices.h), read now (the variables that
+// force them are read on every call).
+py::dict cpu_choices() {
+  namespace cpu = fastattn::cpu;
+  py::dict d;
+  d["isa"] = cpu::isa_name(cpu::cpu_isa());
+  d["attention_plain_forward"] = cpu::torch_plain_forward() ? "torch" : "fastattn";
+  d["ffn_bfloat16_matmuls"] = cpu::ffn_gemm_in_float(at::kBFloat16) ? "float32" : "bfloat16";
+  d["ffn_float16_matmuls"] = cpu::ffn_gemm_in_float(at::kHalf) ? "float32" : "float16";
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -523,6 +537,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffn", &ffn, "fastattn.ffn's eager fast path, or None");
   m.def("softmax", &softmax, "fastattn.scaled_masked_softmax's eager fast path, or None");
   m.def("paged_attention", &paged_attention, "fastattn.paged_attention's eager fast path, or None");
+  m.def("cpu_choices", &cpu_choices, "the cpu backend's CPU-dependent kernel choices (fastattn/cpu_choices.h)");
   // The functions above whose path also takes calls that record a graph (the training path).
   m.attr("TRAINING") = py::make_tuple("layer_norm", "attention", "ffn");
 }

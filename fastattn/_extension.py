@@ -35,6 +35,15 @@ def eager_trains(name: str) -> bool:
     return name in getattr(_MODULE, "TRAINING", ())
 
 
+def cpu_choices() -> dict[str, str] | None:
+    """The cpu backend's kernel choices that depend on this CPU and on the FASTATTN_CPU_*
+    variables (csrc/include/fastattn/cpu_choices.h), as they stand now: ``isa`` (avx512 / avx2 /
+    default), ``attention_plain_forward`` (torch / fastattn), ``ffn_bfloat16_matmuls`` and
+    ``ffn_float16_matmuls`` (float32, or the dtype itself). None without the extension."""
+    fn = getattr(_MODULE, "cpu_choices", None)
+    return None if fn is None else dict(fn())
+
+
 def error() -> str | None:
     """None when the extension is loaded, else why it is not."""
     return _ERROR

@@ -25,6 +25,10 @@ def _info() -> int:
     if _extension.loaded():
         cuda = torch._C._dispatch_has_kernel_for_dispatch_key("fastattn::layer_norm_fwd", "CUDA")
         print(f"             built with CUDA kernels: {cuda}")
+    if choices := _extension.cpu_choices():
+        plain = "torch's kernel" if choices["attention_plain_forward"] == "torch" else "fastattn's kernel"
+        print(f"  cpu kernels: {choices['isa']} SIMD; plain attention forward: {plain}; FFN matmuls: "
+              f"bf16 in {choices['ffn_bfloat16_matmuls']}, fp16 in {choices['ffn_float16_matmuls']}")
     if "triton_attention" in env:
         t = env["triton_attention"]
         path = "tensor descriptors (TMA)" if t["default_path"] == "tma" else "pointer loads"

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastattn import bench, cli
+from fastattn import _extension, bench, cli
 from fastattn.bench import suites
 from fastattn.bench.suites import REFERENCE_MAX_ELEMENTS, SUITES, Options, attention_flops, attention_suite
 
@@ -47,6 +47,22 @@ def test_environment_records_the_isa_caps_of_torchs_gemms(monkeypatch):
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     env = bench.environment("cpu")
     assert env["onednn_max_cpu_isa"] == "avx2" and env["mkl_enable_instructions"] == "avx2"
+
+
+@pytest.mark.skipif(not _extension.loaded(), reason="the extension is not built")
+def test_environment_records_the_cpu_backends_kernel_choices(monkeypatch):
+    """The cpu backend picks some kernels by CPU (csrc/include/fastattn/cpu_choices.h); a recorded
+    run says which ones it timed, as the kernels decide them, variables that force them included."""
+    monkeypatch.setenv("FASTATTN_CPU_TORCH_ATTENTION", "1")
+    monkeypatch.setenv("FASTATTN_CPU_FFN_GEMM", "float32")
+    env = bench.environment("cpu")
+    assert env["cpu_isa"] in ("avx512", "avx2", "default")
+    assert env["cpu_kernels"] == {"attention_plain_forward": "torch", "ffn_bfloat16_matmuls": "float32",
+                                  "ffn_float16_matmuls": "float32"}
+    monkeypatch.setenv("FASTATTN_CPU_TORCH_ATTENTION", "0")
+    monkeypatch.setenv("FASTATTN_CPU_FFN_GEMM", "native")
+    assert bench.environment("cpu")["cpu_kernels"] == {
+        "attention_plain_forward": "fastattn", "ffn_bfloat16_matmuls": "bfloat16", "ffn_float16_matmuls": "float16"}
 
 
 def test_cli_writes_json_with_environment_and_ratios(tiny_run):

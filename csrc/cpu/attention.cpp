@@ -78,6 +78,7 @@
 #include <vector>
 
 #include "fastattn/common.h"
+#include "fastattn/cpu_choices.h"
 #include "fastattn/cpu_gemm.h"
 #include "fastattn/cpu_mask.h"
 #include "fastattn/rng.h"
@@ -536,10 +537,8 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 
 bool torch_forward_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            bool plain, const Band& band) {
-  const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION");
-  const bool on = env != nullptr && env[0] != '\0' ? std::strcmp(env, "0") != 0 : cpu::intel_cpu() || cpu::zen3_cpu();
   const auto st = q.scalar_type();
-  if (!on || !plain || q.size(1) != k.size(1) || q.size(3) != v.size(3) ||
+  if (!cpu::torch_plain_forward() || !plain || q.size(1) != k.size(1) || q.size(3) != v.size(3) ||
       !(st == at::kFloat || st == at::kBFloat16)) {
     return false;
   }
@@ -832,6 +831,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
 }
 
 }  // namespace
+
+// (torch_forward_applies's CPU part; the comment above it says where and why.)
+bool cpu::torch_plain_forward() {
+  const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION");
+  if (env != nullptr && env[0] != '\0') return std::strcmp(env, "0") != 0;
+  return cpu::intel_cpu() || cpu::zen3_cpu();
+}
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("attention_fwd", &attention_fwd_cpu);

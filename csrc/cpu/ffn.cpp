@@ -39,6 +39,7 @@
 
 #include "fastattn/activation.h"
 #include "fastattn/common.h"
+#include "fastattn/cpu_choices.h"
 #include "fastattn/cpu_reduce.h"
 #include "fastattn/cpu_simd.h"
 
@@ -362,8 +363,9 @@ void check_bias(const std::optional<at::Tensor>& b, int64_t n, const at::Tensor&
 // rounded once to the input dtype. That is the 16-bit GEMM's own contract (exact products,
 // float32 accumulation, one rounding), so results differ from it only in summation order.
 // With FASTATTN_CPU_ISA capping our kernels below AVX-512 the CPU is taken to have neither (the
-// bench's "AVX2 on an AVX-512 machine" runs). FASTATTN_CPU_FFN_GEMM=native / float32 (or any other
-// value) forces one path for 16-bit inputs (read on every call); the first call converting is logged (INFO).
+// bench's "AVX2 on an AVX-512 machine" runs). FASTATTN_CPU_FFN_GEMM=native / float32 (or any
+// other value) forces one path for 16-bit inputs (read on every call); the first call converting
+// is logged (INFO). The decision is cpu::ffn_gemm_in_float (fastattn/cpu_choices.h, below).
 
 bool cpu_has_dot_for(at::ScalarType st) {
 #if FASTATTN_X86_DISPATCH
@@ -378,16 +380,15 @@ bool cpu_has_dot_for(at::ScalarType st) {
 #endif
 }
 
+// cpu::ffn_gemm_in_float, logged the first time it says float32.
 bool gemm_in_float(at::ScalarType st) {
-  if (st != at::kBFloat16 && st != at::kHalf) return false;
-  const char* env = std::getenv("FASTATTN_CPU_FFN_GEMM");
-  const bool up = env != nullptr && env[0] != '\0' ? std::strcmp(env, "native") != 0 : !cpu_has_dot_for(st);
+  const bool up = cpu::ffn_gemm_in_float(st);
   if (up) {
     static std::once_flag once;
     std::call_once(once, [] {
       LOG(INFO) << "fastattn cpu ffn: 16-bit matmuls run in float32, the faster GEMM on a CPU "
-                << "without bf16 / fp16 dot-product instructions (FASTATTN_CPU_FFN_GEMM=native keeps "
-                << "ATen's 16-bit GEMMs)";
+                << "without bf16 / fp16 dot-product instructions "
+                << "(FASTATTN_CPU_FFN_GEMM=native keeps ATen's 16-bit GEMMs)";
     });
   }
   return up;
@@ -496,6 +497,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
 }
 
 }  // namespace
+
+bool cpu::ffn_gemm_in_float(c10::ScalarType st) {
+  if (st != at::kBFloat16 && st != at::kHalf) return false;
+  const char* env = std::getenv("FASTATTN_CPU_FFN_GEMM");
+  if (env != nullptr && env[0] != '\0') return std::strcmp(env, "native") != 0;
+  return !cpu_has_dot_for(st);
+}
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("ffn_fwd", &ffn_fwd_cpu);

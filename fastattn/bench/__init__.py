@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastattn import _extension
 from fastattn.testing import max_error, to_numpy
 
 # Providers whose names start with this prefix are PyTorch's own implementations (the peers).
@@ -606,7 +607,12 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     else:
         env["device"] = _cpu_name()
         env["cpus"] = os.cpu_count()
-        env["cpu_isa"] = _cpu_isa()
+        # the cpu backend's CPU-dependent kernel choices (its SIMD path, whose kernel runs the
+        # plain attention forward, the FFN's 16-bit matmul dtype), as the extension makes them
+        choices = _extension.cpu_choices() or {}
+        env["cpu_isa"] = choices.pop("isa", None)
+        if choices:
+            env["cpu_kernels"] = choices
         # the ISA of torch's own CPU kernels (the peers'), capped by $ATEN_CPU_CAPABILITY; its
         # GEMMs' (oneDNN: bf16 / fp16 matmuls, whose bf16 dot instructions an AVX2 machine
         # lacks; MKL: float32 matmuls, and the flash attention's GEMMs, AVX-512 on an Intel CPU)
@@ -625,31 +631,6 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     measure_peaks(device)
     env["peaks"] = measured_peaks()
     return env
-
-
-def _cpu_isa() -> str:
-    """The SIMD path the cpu backend's kernels take here, as csrc/include/fastattn/cpu_simd.h
-    picks it: avx512 / avx2 / default from the CPU flags, capped by $FASTATTN_CPU_ISA."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    order = ["default", "avx2", "avx512"]
-    best = "default"
-    if {"avx2", "fma"} <= flags:
-        best = "avx2"
-        if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
-            best = "avx512"
-    want = os.environ.get("FASTATTN_CPU_ISA", "").lower()
-    want = {"scalar": "default", "baseline": "default"}.get(want, want)
-    if want in order and order.index(want) < order.index(best):
-        best = want
-    return best
 
 
 def _cpu_name() -> str:
