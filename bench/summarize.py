@@ -147,6 +147,12 @@ def summarize_file(path: str) -> list[str]:
         f"- fastattn backends available: {', '.join(env.get('backends') or []) or '?'}",
         f"- measured peaks: {peak_text or '?'}",
     ]
+    if env.get("cpu_isa"):
+        caps = ", ".join(f"{k} {env[k]}" for k in ("torch_cpu_isa", "onednn_max_cpu_isa", "mkl_enable_instructions")
+                         if env.get(k))
+        kernels = ", ".join(f"{k} {v}" for k, v in (env.get("cpu_kernels") or {}).items())
+        lines.append(f"- cpu backend SIMD {env['cpu_isa']}" + (f" ({caps})" if caps else "")
+                     + (f"; kernels chosen by CPU: {kernels}" if kernels else ""))
     if env.get("partial"):
         lines.append("- **partial**: the run was cut short; these are the cases it finished")
     if env.get("loadavg"):
