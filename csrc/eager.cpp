@@ -537,7 +537,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffn", &ffn, "fastattn.ffn's eager fast path, or None");
   m.def("softmax", &softmax, "fastattn.scaled_masked_softmax's eager fast path, or None");
   m.def("paged_attention", &paged_attention, "fastattn.paged_attention's eager fast path, or None");
-  m.def("cpu_choices", &cpu_choices, "the cpu backend's CPU-dependent kernel choices (fastattn/cpu_choices.h)");
+  m.def("cpu_choices", &cpu_choices,
+        "the cpu backend's CPU-dependent kernel choices (fastattn/cpu_choices.h)");
   // The functions above whose path also takes calls that record a graph (the training path).
   m.attr("TRAINING") = py::make_tuple("layer_norm", "attention", "ffn");
 }
