@@ -141,6 +141,11 @@ def same_tol(dtype):
     return dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
 
 
+def cpu_built(op: str) -> bool:
+    """Whether the cpu backend implements ``op`` and is available (the extension is built)."""
+    return "cpu" in backends.implementations(op) and fastattn.backend_status()["cpu"] is None
+
+
 def registered_ops(op):
     """pytest params (op overload, device) for the registered compiled ops of ``op``: the C++
     ``fastattn::<op>_fwd`` when the cpu backend has it, and the Triton ``triton_<op>_fwd``."""

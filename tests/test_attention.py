@@ -14,7 +14,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import backend_params, dtype_for, registered_ops, skip_refused
+from conftest import backend_params, cpu_built, dtype_for, registered_ops, skip_refused
 
 BACKENDS = backend_params("attention")
 
@@ -108,7 +108,7 @@ def test_fully_masked_rows_give_zero_not_nan(backend, device):
     assert torch.all(out[0, 0, :5] == 0) and not torch.isnan(out).any()
 
 
-CPU = "cpu" in fastattn.backends.implementations("attention") and fastattn.backend_status()["cpu"] is None
+CPU = cpu_built("attention")
 
 
 @pytest.mark.skipif(not CPU, reason="the cpu backend is not built")

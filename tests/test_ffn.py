@@ -9,7 +9,7 @@ from fastattn import reference
 from fastattn.ops.ffn import ACTIVATIONS, GATED, activate
 from fastattn.testing import assert_close_to_reference, to_numpy
 
-from conftest import DEVICE, backend_params, registered_ops
+from conftest import DEVICE, backend_params, cpu_built, registered_ops
 
 BACKENDS = backend_params("ffn")
 
@@ -42,7 +42,7 @@ def test_ffn_matches_reference_bf16(backend, device, activation):
     _check(backend, device, activation, ((17,), 40, 1000, 24), True, torch.bfloat16)
 
 
-CPU = "cpu" in fastattn.backends.implementations("ffn") and fastattn.backend_status()["cpu"] is None
+CPU = cpu_built("ffn")
 
 
 @pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
