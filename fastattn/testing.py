@@ -67,6 +67,16 @@ def to_numpy(t) -> np.ndarray:
     return np.asarray(t, dtype=np.float64)
 
 
+def mask_to_numpy(mask) -> np.ndarray | None:
+    """An attention mask for the reference: None stays None, a float mask becomes float64 (added to
+    the scores), a bool one stays bool (True = allowed; as float64 it would be added as 1.0)."""
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor) and not mask.is_floating_point():
+        return mask.detach().cpu().numpy()
+    return to_numpy(mask)
+
+
 def max_error(actual, reference) -> float:
     """The largest absolute difference between ``actual`` and ``reference`` (compared in float64;
     infinities of the same sign count as equal; 0.0 for empty inputs)."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fastattn
 from fastattn import reference
-from fastattn.testing import assert_close_to_reference, to_numpy
+from fastattn.testing import assert_close_to_reference, mask_to_numpy, to_numpy
 
 from conftest import backend_params, cpu_built, dtype_for, registered_ops, skip_refused
 
@@ -71,7 +71,7 @@ def test_attention_matches_reference(backend, device, dtype, case):
     out, lse = fastattn.attention(q, k, v, mask, causal=causal, window=window, enable_gqa=True,
                                   return_lse=True, backend=backend)
     assert out.shape == (B, H, Lq, Dv) and out.dtype == dtype and lse.dtype == torch.float32
-    args = dict(mask=None if mask is None else to_numpy(mask) if mask.is_floating_point() else mask.cpu().numpy(),
+    args = dict(mask=mask_to_numpy(mask),
                 causal=causal, window=window, enable_gqa=True)
     ref_out, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), **args)
     assert_close_to_reference(out, ref_out, name="out")
@@ -133,7 +133,7 @@ def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
         grads = torch.autograd.grad(out, inputs, dout)
     finally:
         torch.set_num_threads(threads)
-    np_mask = to_numpy(mask) if mask.is_floating_point() else mask.numpy()
+    np_mask = mask_to_numpy(mask)
     refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
                                         mask=np_mask, enable_gqa=True)
     for name, got, want in zip(("dq", "dk", "dv", "dmask"), grads, refs):
@@ -186,7 +186,7 @@ def test_cpu_forward_claims_a_kv_head_at_a_time(threads, H, Lq, Lk, opts):
         out = fastattn.attention(q, k, v, mask, enable_gqa=True, backend="cpu", **kw)
     finally:
         torch.set_num_threads(old)
-    ref, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), None if mask is None else to_numpy(mask),
+    ref, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask_to_numpy(mask),
                                  enable_gqa=True, **kw)
     assert_close_to_reference(out, ref, name="out")
 
@@ -219,7 +219,7 @@ def test_cpu_backward_stages_long_mask_rows(mask_kind, hkv):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     finally:
         torch.set_num_threads(threads)
-    np_mask = to_numpy(mask) if mask.is_floating_point() else mask.numpy()
+    np_mask = mask_to_numpy(mask)
     refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
                                         mask=np_mask, **kw)
     for name, got, want in zip(("dq", "dk", "dv"), grads, refs):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import fastattn
 from fastattn import reference
-from fastattn.testing import assert_close_to_reference, to_numpy
+from fastattn.testing import assert_close_to_reference, mask_to_numpy, to_numpy
 
 from conftest import backend_params, skip_refused
 
@@ -118,7 +118,7 @@ def test_attention_combinations(backend, device, seed):
     dout = _tensor(g, out.shape, device, dtype)
     grads = torch.autograd.grad(out, inputs, dout)
 
-    np_mask = None if mask is None else to_numpy(mask) if mask.is_floating_point() else mask.cpu().numpy()
+    np_mask = mask_to_numpy(mask)
     arrays = [to_numpy(t) for t in (q, k, v)]
     ref_out, ref_lse = reference.attention(*arrays, np_mask, **options)
     assert_close_to_reference(out, ref_out, name="out")

@@ -13,7 +13,7 @@ import torch
 
 import fastattn
 from fastattn import reference
-from fastattn.testing import launching_directly, to_numpy
+from fastattn.testing import launching_directly, mask_to_numpy, to_numpy
 
 from conftest import DEVICE, backend_params
 
@@ -40,7 +40,7 @@ def _run(backend, device, q, k, v, dout, mask, causal):
 
 
 def _reference(q, k, v, dout, mask, causal):
-    np_mask = None if mask is None else (to_numpy(mask) if mask.is_floating_point() else mask.numpy())
+    np_mask = mask_to_numpy(mask)
     args = dict(mask=np_mask, causal=causal)
     out, lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), **args)
     dq, dk, dv, dmask = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k),

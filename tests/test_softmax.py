@@ -5,7 +5,7 @@ import torch
 
 import fastattn
 from fastattn import reference
-from fastattn.testing import assert_close_to_reference, to_numpy
+from fastattn.testing import assert_close_to_reference, mask_to_numpy, to_numpy
 
 from conftest import DEVICE, backend_params, registered_ops
 
@@ -52,7 +52,7 @@ def test_softmax_matches_reference(backend, device, dtype, shape, kind, scale, c
     mask = _mask(kind, shape, dtype, device, g)
     y = fastattn.scaled_masked_softmax(x, mask, scale, causal, backend=backend)
     assert y.shape == x.shape and y.dtype == dtype
-    np_mask = None if mask is None else (to_numpy(mask) if mask.is_floating_point() else mask.cpu().numpy())
+    np_mask = mask_to_numpy(mask)
     ref = reference.softmax(to_numpy(x), np_mask, scale, causal)
     assert_close_to_reference(y, ref, name="y")
     dy = torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
