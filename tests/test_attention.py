@@ -192,6 +192,34 @@ def test_cpu_forward_claims_a_kv_head_at_a_time(threads, H, Lq, Lk, opts):
 
 
 @pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
+@pytest.mark.parametrize("threads,H,Lq", [(1, 4, 300), (1, 2, 600), (2, 2, 300)],
+                         ids=["256-rows", "128-rows", "64-rows"])
+@pytest.mark.parametrize("opts", [dict(), dict(mask="bias"), dict(mask="padding"),
+                                  dict(dropout_p=0.25, seed=3)], ids=["plain", "bias", "padding", "dropout"])
+def test_cpu_forward_tall_query_blocks(monkeypatch, threads, H, Lq, opts):
+    """Where no band limits the keys, the cpu forward takes query blocks of up to 256 rows, halved
+    while the tasks would not keep the threads busy (fwd_block_q in csrc/cpu/attention.cpp):
+    blocks of 256, 128 and 64 rows with a short last block, against two key tiles (256 + 14 keys),
+    with every option, on its own kernel; output and lse against the reference."""
+    monkeypatch.setenv("FASTATTN_CPU_TORCH_ATTENTION", "0")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{threads}{H}{Lq}{opts}".encode()))
+        B, Lk, D = 1, 270, 40
+        q, k, v = _qkv(B, H, H, Lq, Lk, D, D, "cpu", torch.float32, g)
+        kw = dict(opts)
+        mask = _mask(kw.pop("mask", None), B, H, Lq, Lk, "cpu", torch.float32, g)
+        out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend="cpu", **kw)
+    finally:
+        torch.set_num_threads(old)
+    ref, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v),
+                                       mask_to_numpy(mask), **kw)
+    assert_close_to_reference(out, ref, name="out")
+    assert_close_to_reference(lse, ref_lse, name="lse")
+
+
+@pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
 @pytest.mark.parametrize("hkv", [1, 2], ids=["two-pass", "one-pass"])
 @pytest.mark.parametrize("mask_kind", ["bf16-bias", "fp16-bias-transposed", "bool"])
 def test_cpu_backward_stages_long_mask_rows(mask_kind, hkv):

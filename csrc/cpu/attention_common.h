@@ -32,7 +32,7 @@ using cpu::round_up;
 using cpu::Vec;
 
 // Tile sizes (multiples of 16, the widest vector in floats).
-constexpr int64_t kFwdBlockQ = 64;   // forward: query rows per task
+constexpr int64_t kFwdBlockQ = 64;   // forward: query rows per task (fwd_block_q: up to 256)
 constexpr int64_t kFwdBlockK = 256;  // forward: keys per tile
 constexpr int64_t kBwdBlockQ = 64;   // backward: query rows per tile
 constexpr int64_t kBwdBlockK = 64;   // backward: keys per tile
