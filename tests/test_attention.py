@@ -255,26 +255,43 @@ def test_cpu_backward_stages_long_mask_rows(mask_kind, hkv):
 
 
 @pytest.mark.parametrize("as_float", [False, True])
-def test_key_padding_mask_over_whole_key_tiles(as_float):
-    """A key-padding mask that removes whole key tiles (256 keys; the cpu forward skips them): same
-    result as the reference, nothing read from the skipped keys (a NaN there stays out), and a
-    sequence with no key at all gives 0."""
+@pytest.mark.parametrize("threads", [1, 16], ids=["one-pass", "two-pass"])
+def test_key_padding_mask_over_whole_key_tiles(as_float, threads):
+    """A key-padding mask that removes whole key tiles (the cpu forward's 256 keys, the backward's
+    64; both skip them): output and gradients (dmask too, for a float mask) as the reference's,
+    in the backward's one pass and its two (16 threads for 6 (batch, head) pairs), nothing read
+    from the skipped keys (a NaN there stays out), and a sequence with no key at all gives 0."""
     if "cpu" not in fastattn.available_backends():
         pytest.skip("the cpu backend is not built")
     g = torch.Generator().manual_seed(7)
     B, H, Lq, Lk, D = 3, 2, 20, 600, 16
     q, k, v = _qkv(B, H, H, Lq, Lk, D, D, "cpu", torch.float32, g)
     keep = (torch.arange(Lk)[None, :] < torch.tensor([Lk, 100, 0])[:, None]).view(B, 1, 1, Lk)
-    mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) if as_float else keep
-    out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend="cpu")
-    np_mask = to_numpy(mask) if as_float else keep.numpy()
+    mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).requires_grad_() if as_float else keep
+    dout = torch.randn(B, H, Lq, D, generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend="cpu")
+        inputs = [q, k, v] + ([mask] if as_float else [])
+        grads = torch.autograd.grad(out, inputs, dout)
+        v_nan = v.detach().clone().requires_grad_()
+        with torch.no_grad():
+            v_nan[1, :, 300:] = float("nan")  # keys of batch 1's skipped tiles (and of a partial tile)
+        out_nan = fastattn.attention(q, k, v_nan, mask, backend="cpu")
+        grads_nan = torch.autograd.grad(out_nan, inputs[:2] + [v_nan], dout)
+    finally:
+        torch.set_num_threads(old)
+    np_mask = mask_to_numpy(mask)
     ref_out, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask=np_mask)
     assert_close_to_reference(out, ref_out, name="out")
     assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
-    v_nan = v.detach().clone()
-    v_nan[1, :, 300:] = float("nan")  # keys of batch 1's skipped tiles (and of a partial tile)
-    out_nan = fastattn.attention(q.detach(), k.detach(), v_nan, mask, backend="cpu")
+    refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v), mask=np_mask)
+    for name, got, want in zip(("dq", "dk", "dv", "dmask"), grads, refs):
+        assert_close_to_reference(got, want, name=name)
     assert torch.equal(out_nan, out.detach())
+    for name, got, want in zip(("dq", "dk", "dv"), grads_nan, grads):
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)

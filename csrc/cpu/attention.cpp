@@ -242,6 +242,10 @@ struct BwdArgs {
   // nonfinite_tiles of qp, dop (tile TQ) and kp (tile TK), or null: their GEMMs take gemm_acc's
   // careful path so that masked-out entries never pass a NaN on.
   const uint8_t *q_bad, *do_bad, *k_bad;
+  // masked_key_tiles with tile TK (per b * H + h and key tile), or null: the tiles a key-padding
+  // mask removes whole, which every worker skips (exact: their P and dS are 0, their dK and dV
+  // rows stay 0, and dmask there starts as 0).
+  const uint8_t* dead;
   A *dq, *dk, *dv;  // contiguous, shaped like q, k, v
   A* dmask;         // (B, H, Lq, Lk) or null
 };
@@ -268,6 +272,7 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
     const TileSpan qs = query_tile_span(p.band, j0, nk, sh.Lq, TQ);
     for (int64_t h = g * sh.G; qs.first <= qs.last && h < (g + 1) * sh.G; ++h) {
       const int64_t bh = b * sh.H + h;
+      if (flagged(p.dead, bh * p.nkb + kb)) continue;
       const uint32_t stream = drop ? dropout_stream(p.drop.seed, b, h, sh.H) : 0;
       for (int64_t qb = qs.first; qb <= qs.last; ++qb) {
         const int64_t i0 = qb * TQ, nq = std::min(TQ, sh.Lq - i0), nqp = round_up(nq, W);
@@ -420,9 +425,11 @@ FASTATTN_INLINE void dq_worker(const BwdArgs<typename V::value_type>& p, std::at
     const A* delta = p.delta + bh * p.Lq_pad + i0;
     const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, TK);
     for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
+      const cpu::MaskView& mask = staged.at(p.mask, b, h, i0, nq, ks, kb, TK, sh.Lk);
+      if (flagged(p.dead, bh * p.nkb + kb)) continue;  // (after staged.at: it stages every 8th)
       const KeyTile tile = key_tile(p.band, i0, nq, kb, TK, sh.Lk, W);
-      probs_tile<V, false>(p, staged.at(p.mask, b, h, i0, nq, ks, kb, TK, sh.Lk), b, h, bg, kb,
-                           stream, i0, nq, tile, qblk, lse, s.data(), z.data(), nullptr);
+      probs_tile<V, false>(p, mask, b, h, bg, kb, stream, i0, nq, tile, qblk, lse, s.data(),
+                           z.data(), nullptr);
       dscores_tile<V>(p, bh, bg, kb, i0, nq, tile, doblk, delta, s.data(), z.data(), dp.data());
       // dQ += dS K
       gemm_acc<V>(flagged(p.k_bad, bg * p.nkb + kb), nq, Dw, tile.nk, dp.data(), TK,
@@ -467,10 +474,12 @@ FASTATTN_INLINE void fused_bwd_worker(const BwdArgs<typename V::value_type>& p,
         std::fill(dq_acc.begin(), dq_acc.end(), A(0));
         const TileSpan ks = key_tile_span(p.band, i0, nq, sh.Lk, TK);
         for (int64_t kb = ks.first; kb <= ks.last; ++kb) {
+          const cpu::MaskView& mask = staged.at(p.mask, b, h, i0, nq, ks, kb, TK, sh.Lk);
+          if (flagged(p.dead, bh * p.nkb + kb)) continue;
           const KeyTile tile = key_tile(p.band, i0, nq, kb, TK, sh.Lk, W);
           const int64_t j0 = tile.j0, nk = tile.nk;
-          probs_tile<V, true>(p, staged.at(p.mask, b, h, i0, nq, ks, kb, TK, sh.Lk), b, h, bg, kb,
-                              stream, i0, nq, tile, qblk, lse, s.data(), z.data(), pz.data());
+          probs_tile<V, true>(p, mask, b, h, bg, kb, stream, i0, nq, tile, qblk, lse, s.data(),
+                              z.data(), pz.data());
           // dV += (P Z)^T dO
           gemm_acc<V, true>(flagged(p.do_bad, bh * p.nqb + qb), nk, Dvw, nq,
                             drop ? pz.data() : s.data(), TK, doblk, Dvp, dv_acc.data() + j0 * Dvp, Dvp);
@@ -792,13 +801,14 @@ void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::T
   const std::vector<uint8_t> q_bad = nonfinite_tiles(qp.const_data_ptr<A>(), BH, sh.Lq, Dp, TQ);
   const std::vector<uint8_t> do_bad = nonfinite_tiles(dop.const_data_ptr<A>(), BH, sh.Lq, Dvp, TQ);
   const std::vector<uint8_t> k_bad = nonfinite_tiles(kp.const_data_ptr<A>(), BG, sh.Lk, Dp, TK);
+  const std::vector<uint8_t> dead = masked_key_tiles(mask, sh.B, sh.H, sh.Lk, TK);
   auto ptr = [](const std::vector<uint8_t>& f) { return f.empty() ? nullptr : f.data(); };
   const BwdArgs<A> p{sh, band, drop, mask, static_cast<A>(scale), Dp, Dvp, TQ, TK, nqb, nkb, Lq_pad,
                      qp.const_data_ptr<A>(), qt.const_data_ptr<A>(), kp.const_data_ptr<A>(),
                      kt.const_data_ptr<A>(), vp.const_data_ptr<A>(), vt.const_data_ptr<A>(),
                      dop.const_data_ptr<A>(), dot.const_data_ptr<A>(), lse.const_data_ptr<A>(),
                      delta.const_data_ptr<A>(), kb_order.data(), qb_order.data(), ptr(q_bad),
-                     ptr(do_bad), ptr(k_bad), dq_acc.data_ptr<A>(), dk_acc.data_ptr<A>(),
+                     ptr(do_bad), ptr(k_bad), ptr(dead), dq_acc.data_ptr<A>(), dk_acc.data_ptr<A>(),
                      dv_acc.data_ptr<A>(), dmask};
   if (two_pass) {
     run_workers(BG * nkb, [&](std::atomic<int64_t>& next) { dkdv_dispatch<A>(p, next); });
