@@ -165,6 +165,24 @@ def test_cpu_plain_forward_on_either_kernel(monkeypatch, torch_kernel, dtype, sh
         assert_close_to_reference(got, want, name=name)
 
 
+def _cpu_forward_and_reference(threads, B, H, Hkv, Lq, Lk, D, opts):
+    """The cpu forward (float32) on `threads` threads with `opts` (mask: a _mask kind), and the
+    reference's: (out, lse, ref_out, ref_lse)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{threads}{H}{Lq}{opts}".encode()))
+        q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, D, "cpu", torch.float32, g)
+        kw = dict(opts)
+        mask = _mask(kw.pop("mask", None), B, H, Lq, Lk, "cpu", torch.float32, g)
+        out, lse = fastattn.attention(q, k, v, mask, return_lse=True, enable_gqa=True, backend="cpu", **kw)
+    finally:
+        torch.set_num_threads(old)
+    ref, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask_to_numpy(mask),
+                                       enable_gqa=True, **kw)
+    return out, lse, ref, ref_lse
+
+
 @pytest.mark.skipif(not CPU, reason="the cpu backend is not built")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("H,Lq,Lk", [(8, 60, 70), (4, 100, 100), (4, 120, 300)], ids=["gqa", "two-blocks", "two-tiles"])
@@ -175,19 +193,7 @@ def test_cpu_forward_claims_a_kv_head_at_a_time(threads, H, Lq, Lk, opts):
     cpu forward worker claims all tasks of one kv head at once and packs its key tiles once
     (kv_major in csrc/cpu/attention.cpp): the GQA group's heads, or a head's two query blocks,
     against the reference with every option, on 1 and 2 threads, one and two key tiles."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(zlib.crc32(f"{threads}{H}{Lq}{opts}".encode()))
-        B, Hkv, D = 2, 4, 16
-        q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, D, "cpu", torch.float32, g)
-        kw = dict(opts)
-        mask = _mask(kw.pop("mask", None), B, H, Lq, Lk, "cpu", torch.float32, g)
-        out = fastattn.attention(q, k, v, mask, enable_gqa=True, backend="cpu", **kw)
-    finally:
-        torch.set_num_threads(old)
-    ref, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask_to_numpy(mask),
-                                 enable_gqa=True, **kw)
+    out, _, ref, _ = _cpu_forward_and_reference(threads, 2, H, 4, Lq, Lk, 16, opts)
     assert_close_to_reference(out, ref, name="out")
 
 
@@ -202,19 +208,7 @@ def test_cpu_forward_tall_query_blocks(monkeypatch, threads, H, Lq, opts):
     blocks of 256, 128 and 64 rows with a short last block, against two key tiles (256 + 14 keys),
     with every option, on its own kernel; output and lse against the reference."""
     monkeypatch.setenv("FASTATTN_CPU_TORCH_ATTENTION", "0")
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(zlib.crc32(f"{threads}{H}{Lq}{opts}".encode()))
-        B, Lk, D = 1, 270, 40
-        q, k, v = _qkv(B, H, H, Lq, Lk, D, D, "cpu", torch.float32, g)
-        kw = dict(opts)
-        mask = _mask(kw.pop("mask", None), B, H, Lq, Lk, "cpu", torch.float32, g)
-        out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend="cpu", **kw)
-    finally:
-        torch.set_num_threads(old)
-    ref, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v),
-                                       mask_to_numpy(mask), **kw)
+    out, lse, ref, ref_lse = _cpu_forward_and_reference(threads, 1, H, H, Lq, 270, 40, opts)
     assert_close_to_reference(out, ref, name="out")
     assert_close_to_reference(lse, ref_lse, name="lse")
 
