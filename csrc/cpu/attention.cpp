@@ -552,7 +552,7 @@ bool torch_forward_applies(const at::Tensor& q, const at::Tensor& k, const at::T
       !(st == at::kFloat || st == at::kBFloat16)) {
     return false;
   }
-  return band.lo <= -(q.size(2) - 1) && band.hi >= k.size(2) - 1;  // every query sees every key
+  return inside_band(band, 0, q.size(2), 0, k.size(2));  // every query sees every key
 }
 
 // Whether torch's forward output may be kept. A NaN in a query row: torch 2.13's AVX-512 kernel
@@ -615,8 +615,7 @@ void store_out_row(void* out, int64_t index, const A* o, A inv, int64_t Dv) {
 // whole and half thrown away (causal L2048: 1.08-1.22 at 64 rows, 1.09-1.12 at 256). Halved
 // while that would leave fewer than four tasks a thread.
 inline int64_t fwd_block_q(const Shape& sh, const Band& band) {
-  const bool full = band.lo <= -(sh.Lq - 1) && band.hi >= sh.Lk - 1;
-  if (!full) return kFwdBlockQ;
+  if (!inside_band(band, 0, sh.Lq, 0, sh.Lk)) return kFwdBlockQ;  // (a band limits the keys)
   const int64_t enough = 4 * std::max<int64_t>(1, at::get_num_threads());
   int64_t bq = 4 * kFwdBlockQ;
   while (bq > kFwdBlockQ && sh.B * sh.H * ceil_div(sh.Lq, bq) < enough) bq /= 2;
