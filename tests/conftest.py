@@ -1,5 +1,6 @@
 """Shared test setup: the Triton interpreter on CPU-only machines, poisoned outputs, backends."""
 
+import contextlib
 import os
 import sys
 import time
@@ -97,13 +98,22 @@ def _poison():
         yield
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to ``n`` inside the block, restored after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny shapes: one thread is fastest, and immune to oversubscription on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def refusal(op, backend, device, dtype, **facts):

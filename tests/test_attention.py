@@ -14,7 +14,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, mask_to_numpy, to_numpy
 
-from conftest import backend_params, cpu_built, dtype_for, registered_ops, skip_refused
+from conftest import backend_params, cpu_built, dtype_for, registered_ops, skip_refused, torch_threads
 
 BACKENDS = backend_params("attention")
 
@@ -120,9 +120,7 @@ def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
     leave threads idle (B * Hkv = 1 on 2 threads), else one: both, with every mask kind, at
     lengths that leave partial tiles and partial 8 x 8 blocks (the dK/dV pass reads the mask
     transposed, in register-transposed blocks)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         g = torch.Generator().manual_seed(zlib.crc32(f"{kind}{dtype}{hkv}".encode()))
         B, H, Lq, Lk, D = 1, 2, 37, 45, 16
         q, k, v = _qkv(B, H, hkv, Lq, Lk, D, D, "cpu", dtype, g)
@@ -131,8 +129,6 @@ def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
         dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
         inputs = [q, k, v] + ([mask] if kind == "bias" else [])
         grads = torch.autograd.grad(out, inputs, dout)
-    finally:
-        torch.set_num_threads(threads)
     np_mask = mask_to_numpy(mask)
     refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
                                         mask=np_mask, enable_gqa=True)
@@ -168,16 +164,12 @@ def test_cpu_plain_forward_on_either_kernel(monkeypatch, torch_kernel, dtype, sh
 def _cpu_forward_and_reference(threads, B, H, Hkv, Lq, Lk, D, opts):
     """The cpu forward (float32) on `threads` threads with `opts` (mask: a _mask kind), and the
     reference's: (out, lse, ref_out, ref_lse)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         g = torch.Generator().manual_seed(zlib.crc32(f"{threads}{H}{Lq}{opts}".encode()))
         q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, D, "cpu", torch.float32, g)
         kw = dict(opts)
         mask = _mask(kw.pop("mask", None), B, H, Lq, Lk, "cpu", torch.float32, g)
         out, lse = fastattn.attention(q, k, v, mask, return_lse=True, enable_gqa=True, backend="cpu", **kw)
-    finally:
-        torch.set_num_threads(old)
     ref, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask_to_numpy(mask),
                                        enable_gqa=True, **kw)
     return out, lse, ref, ref_lse
@@ -221,9 +213,7 @@ def test_cpu_backward_stages_long_mask_rows(mask_kind, hkv):
     before its 64-key tiles read them (cpu::stage_rows): keys over several such chunks, a window
     that starts the later query blocks' walks past key 0, a partial last chunk, and a mask whose
     keys are not contiguous (read in place)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         g = torch.Generator().manual_seed(zlib.crc32(f"{mask_kind}{hkv}".encode()))
         dtype = torch.float16 if mask_kind.startswith("fp16") else torch.bfloat16
         B, H, Lq, Lk, D = 1, 2, 150, 1100, 16
@@ -239,8 +229,6 @@ def test_cpu_backward_stages_long_mask_rows(mask_kind, hkv):
         out = fastattn.attention(q, k, v, mask, backend="cpu", **kw)
         dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    finally:
-        torch.set_num_threads(threads)
     np_mask = mask_to_numpy(mask)
     refs = reference.attention_backward(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
                                         mask=np_mask, **kw)
@@ -263,9 +251,7 @@ def test_key_padding_mask_over_whole_key_tiles(as_float, threads):
     keep = (torch.arange(Lk)[None, :] < torch.tensor([Lk, 100, 0])[:, None]).view(B, 1, 1, Lk)
     mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).requires_grad_() if as_float else keep
     dout = torch.randn(B, H, Lq, D, generator=g)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out, lse = fastattn.attention(q, k, v, mask, return_lse=True, backend="cpu")
         inputs = [q, k, v] + ([mask] if as_float else [])
         grads = torch.autograd.grad(out, inputs, dout)
@@ -274,8 +260,6 @@ def test_key_padding_mask_over_whole_key_tiles(as_float, threads):
             v_nan[1, :, 300:] = float("nan")  # keys of batch 1's skipped tiles (and of a partial tile)
         out_nan = fastattn.attention(q, k, v_nan, mask, backend="cpu")
         grads_nan = torch.autograd.grad(out_nan, inputs[:2] + [v_nan], dout)
-    finally:
-        torch.set_num_threads(old)
     np_mask = mask_to_numpy(mask)
     ref_out, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask=np_mask)
     assert_close_to_reference(out, ref_out, name="out")

@@ -11,7 +11,7 @@ import fastattn
 from fastattn import reference
 from fastattn.testing import assert_close_to_reference, opcheck, to_numpy
 
-from conftest import backend_params
+from conftest import backend_params, torch_threads
 
 BACKENDS = backend_params("varlen_attention")
 
@@ -273,9 +273,7 @@ def test_many_short_sequences(backend, device, lens_q, lens_k):
     """More sequences than threads: the cpu backend runs sequences in parallel (each dense call
     on one thread), after any sequence with more than a thread's share of the work, which runs
     alone (parallel inside); the result and gradients must not change."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 16, 16, device, dtype=torch.float64)
         out = fastattn.varlen_attention(q, k, v, cu_q, cu_k, causal="bottom_right", backend=backend)
         cu = (cu_q.cpu(), cu_k.cpu())
@@ -287,8 +285,6 @@ def test_many_short_sequences(backend, device, lens_q, lens_k):
                                                   to_numpy(k), to_numpy(v), *cu, causal="bottom_right")
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
             assert_close_to_reference(got, want, name=name)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_tiles_take_symbolic_head_dims(monkeypatch):
