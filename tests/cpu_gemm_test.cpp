@@ -75,7 +75,7 @@ void check_gemm(int64_t m, int64_t n, int64_t k, bool accumulate) {
 template <int W>
 void check_width() {
   for (int64_t k : {0, 1, 63, 64, 65, 130, 256}) {
-    for (int64_t m : {1, 5, 64}) {
+    for (int64_t m : {1, 5, 13, 64}) {  // (13: 8 + 4 rows and a last one, on one-vector blocks)
       for (int64_t n : {int64_t{W}, int64_t{3 * W}, int64_t{5 * W}, int64_t{16 * W}}) {
         for (bool acc : {false, true}) {
           check_gemm<W, false>(m, n, k, acc);

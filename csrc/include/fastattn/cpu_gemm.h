@@ -116,6 +116,19 @@ FASTATTN_INLINE void gemm_panel(int64_t m, int64_t n, int64_t k, const typename 
         gemm_micro<V, MR, NV, kTransA>(k, a_rows(i), lda, b + j, ldb, c + i * ldc + j, ldc,
                                        accumulate);
       }
+    } else if (nv == 1) {
+      // One vector wide (Dv = 128 on AVX2: the last 8 of 128 columns). MR accumulators would be
+      // MR chains of dependent FMAs, too few to cover the FMA latency on both pipes; 2 * MR rows
+      // at a time keep twice as many in flight. Same sums in the same order, per element.
+      int64_t i = 0;
+      for (; i + 2 * MR <= m_full; i += 2 * MR) {
+        gemm_micro<V, 2 * MR, 1, kTransA>(k, a_rows(i), lda, b + j, ldb, c + i * ldc + j, ldc,
+                                          accumulate);
+      }
+      for (; i < m_full; i += MR) {
+        gemm_micro<V, MR, 1, kTransA>(k, a_rows(i), lda, b + j, ldb, c + i * ldc + j, ldc,
+                                      accumulate);
+      }
     } else {
       for (int64_t i = 0; i < m_full; i += MR) {
         gemm_block<V, MR, NV, kTransA>(nv, k, a_rows(i), lda, b + j, ldb, c + i * ldc + j, ldc,
