@@ -56,7 +56,8 @@
 //   statistics-only forward sweep): the saved lse is float32, and float64 gradients should be
 //   exact to float64 rounding.
 // * Threads: at::parallel_for starts one worker per thread; workers take tasks from an atomic
-//   counter, the longest (most tiles inside the band) first, so causal / windowed work balances.
+//   counter, head by head (the threads share a head's tiles in cache) and within a head the
+//   longest (most tiles inside the band) first, so causal / windowed work balances.
 //   Which backward variant runs depends on the thread count (rounding may differ between them).
 // * SIMD: cpu_simd.h (AVX-512 / AVX2 / baseline chosen at run time).
 //
@@ -120,8 +121,8 @@ struct FwdArgs {
   void (*pack_tile)(const void*, int64_t, int64_t, A*, A*, A*) = nullptr;
   const void* pack_ctx = nullptr;
   // Set with pack_tile where the kv heads outnumber the threads: a worker claims the G * nqb
-  // tasks of one kv head at a time (bh = t / nqb), so its key tiles are packed once, not once
-  // per task (a task per (b, h, query block) otherwise).
+  // tasks of one kv head at a time (tasks are head-major: query_task), so its key tiles are
+  // packed once, not once per task (a task per (b, h, query block) otherwise).
   bool kv_major = false;
   // Stores row `index` of the output (Dv values o * inv, rounded once to T: a float16 / bfloat16
   // output needs no A copy and no second pass); set wherever out is (store_out_row<T, A>).
@@ -146,9 +147,7 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
   const int64_t ntasks = sh.B * sh.H * p.nqb, chunk = p.kv_major ? sh.G * p.nqb : 1;
   for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < ntasks;)
   for (int64_t t = t0; t < std::min(t0 + chunk, ntasks); ++t) {
-    const auto [qb, bh, b, h, bg, i0, nq, stream] =
-        p.kv_major ? query_task(t % p.nqb * sh.B * sh.H + t / p.nqb, sh, p.qb_order, BQ, p.drop)
-                   : query_task(t, sh, p.qb_order, BQ, p.drop);
+    const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, BQ, p.drop);
     const A* qblk = p.qp + (bh * sh.Lq + i0) * p.qld;
     std::fill(m.begin(), m.begin() + nq, neg_inf);
     std::fill(l.begin(), l.begin() + nq, A(0));
@@ -263,7 +262,8 @@ FASTATTN_INLINE void dkdv_worker(const BwdArgs<typename V::value_type>& p, std::
   std::vector<A> dk_acc((TK + R) * std::max(Dp, W)), dv_acc((TK + R) * std::max(Dvp, W));
   const int64_t BG = sh.B * sh.Hkv, ntasks = BG * p.nkb;
   for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
-    const int64_t kb = p.kb_order[t / BG], bg = t % BG, b = bg / sh.Hkv, g = bg % sh.Hkv;
+    // (kv head-major, as query_task: the threads share one head's q / dO tiles)
+    const int64_t kb = p.kb_order[t % p.nkb], bg = t / p.nkb, b = bg / sh.Hkv, g = bg % sh.Hkv;
     const int64_t j0 = kb * TK, nk = std::min(TK, sh.Lk - j0);
     std::fill(dk_acc.begin(), dk_acc.end(), A(0));
     std::fill(dv_acc.begin(), dv_acc.end(), A(0));

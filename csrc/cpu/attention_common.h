@@ -83,9 +83,12 @@ struct Shape {
   int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
 };
 
-// Task t of the workers over query blocks (forward, JVP, dQ): query block qb = qb_order[t / BH]
-// (rows [i0, i0 + nq), of bq) of head bh = t % BH = (b, h), kv head bg = (b, g), and the
-// dropout stream of (b, h) (0 without dropout).
+// Task t of the workers over query blocks (forward, JVP, dQ): head bh = t / nqb = (b, h), kv
+// head bg = (b, g), query block qb = qb_order[t % nqb] (rows [i0, i0 + nq), of bq), and the
+// dropout stream of (b, h) (0 without dropout). Head-major: the threads work through one head's
+// query blocks together, so the k / v tiles they stream are the same few MB in the shared cache,
+// not those of every head at once (query block-major order, before: 3-5% slower at B1 H8 L2048-4096
+// and 8-11% causal; AVX2 Zen 3, 2 threads, float32). Within a head the longest blocks come first.
 struct QueryTask {
   int64_t qb, bh, b, h, bg, i0, nq;
   uint32_t stream;
@@ -93,8 +96,8 @@ struct QueryTask {
 
 inline QueryTask query_task(int64_t t, const Shape& sh, const int64_t* qb_order, int64_t bq,
                             const Dropout& drop) {
-  const int64_t BH = sh.B * sh.H;
-  const int64_t qb = qb_order[t / BH], bh = t % BH, b = bh / sh.H, h = bh % sh.H;
+  const int64_t nqb = ceil_div(sh.Lq, bq);
+  const int64_t qb = qb_order[t % nqb], bh = t / nqb, b = bh / sh.H, h = bh % sh.H;
   const int64_t i0 = qb * bq;
   return {qb, bh, b, h, b * sh.Hkv + h / sh.G, i0, std::min(bq, sh.Lq - i0),
           drop.on ? dropout_stream(drop.seed, b, h, sh.H) : 0};
