@@ -105,6 +105,23 @@ def test_rms_norm_matches_reference(backend, device, dtype, shape):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_rms_norm_default_eps_is_torchs(backend, device, dtype):
+    # eps=None (nn.RMSNorm's default) is the epsilon of the compute type, as in torch's kernels:
+    # float32's for 16-bit inputs, not the 16-bit type's own (bfloat16: 7.8e-3), which on rows of
+    # RMS 0.01 would shrink every output about 9x (float16: 9.8e-4, 3.3x).
+    _skip_unsupported(backend, dtype)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 64, generator=g, dtype=torch.float64) * 0.01).to(device=device, dtype=dtype)
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    ref_y, _ = reference.rms_norm(to_numpy(x), (64,), None, eps)
+    assert_close_to_reference(fastattn.rms_norm(x, 64, backend=backend), ref_y, F.rms_norm(x, (64,)), name="y")
+    module = fastattn.nn.RMSNorm(64, device=device, dtype=dtype, backend=backend)
+    base = torch.nn.RMSNorm(64, device=device, dtype=dtype)(x)
+    assert_close_to_reference(module(x), ref_y, base, name="nn.RMSNorm y")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("rms", [False, True])
 def test_add_layer_norm_returns_sum_and_routes_its_gradient(backend, device, rms):
     dtype = torch.float32
@@ -151,6 +168,7 @@ def test_non_contiguous_input(backend, device):
         x = x.detach().requires_grad_()
         ns = x.shape[-1:]
         y = fastattn.layer_norm(x, ns, backend=backend)
+        assert y.is_contiguous()  # (as torch's, whatever the input's strides)
         ref_y, _, _ = reference.layer_norm(to_numpy(x), ns, None, None, 1e-5)
         assert_close_to_reference(y, ref_y, name="y")
         (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
@@ -204,6 +222,11 @@ def test_bad_input_errors(backend, device):
         fastattn.add_layer_norm(x, x[:2], (8,), backend=backend)
     with pytest.raises(ValueError, match="bias must be None"):
         fastattn.add_layer_norm(x, x, (8,), None, torch.ones(8, device=device), rms=True, backend=backend)
+    for shape in (8.0, (8.0,), True, (True,), torch.tensor(8)):  # (torch refuses these too)
+        with pytest.raises(TypeError, match="normalized_shape"):
+            fastattn.layer_norm(x, shape, backend=backend)
+    y = fastattn.layer_norm(x, (torch.tensor(8),), backend=backend)  # 0-d integer tensors index, as in torch
+    torch.testing.assert_close(y, F.layer_norm(x, (8,)))
 
 
 needs_triton = pytest.mark.skipif(not hasattr(torch.ops.fastattn, "triton_layer_norm_fwd"),

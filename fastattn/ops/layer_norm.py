@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -149,7 +150,7 @@ def _naive(x, residual, normalized_shape, weight, bias, eps, rms):
         y = y * weight
     if bias is not None:
         y = y + bias
-    return y.to(x.dtype), (h if residual is not None else None)
+    return y.to(x.dtype).contiguous(), (h if residual is not None else None)  # (contiguous, as torch)
 
 
 _kernels = triton_kernels("layer_norm")
@@ -162,6 +163,14 @@ define_op("layer_norm", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, setup_context=_s
 # Public functions.
 
 
+def _size(d) -> int:
+    """One dim of normalized_shape: an int (or what indexes as one: a 0-d integer tensor, as
+    torch takes), never a bool or a float. TypeError otherwise."""
+    if isinstance(d, bool):
+        raise TypeError(d)
+    return int(d) if isinstance(d, torch.SymInt) else operator.index(d)
+
+
 def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") -> tuple[int, ...]:
     """The argument checks, written once: run by the public functions and by the registered Triton
     ops (through :func:`_check_op`). Returns normalized_shape as a tuple."""
@@ -170,9 +179,13 @@ def _check(x, residual, normalized_shape, weight, bias, eps, rms, name="input") 
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name} has dtype {x.dtype}; supported: {list(_DTYPES)}")
     # (isinstance against tuple first: the numbers ABCs are slow, and the modules pass tuples)
-    if not isinstance(normalized_shape, tuple) and isinstance(normalized_shape, numbers.Integral):
+    if (not isinstance(normalized_shape, tuple) and isinstance(normalized_shape, numbers.Integral)
+            and not isinstance(normalized_shape, bool)):
         normalized_shape = (int(normalized_shape),)
-    shape = tuple(map(int, normalized_shape))
+    try:  # (a bool is no size, as in torch)
+        shape = tuple(_size(d) for d in normalized_shape)
+    except TypeError:
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
     if len(shape) == 0 or x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
         raise ValueError(
             f"normalized_shape {list(shape)} must be a non-empty suffix of {name}'s shape "
@@ -265,9 +278,13 @@ def rms_norm(
 ) -> Tensor:
     """RMS normalization, as :func:`torch.nn.functional.rms_norm`: ``x / sqrt(mean(x²) + eps) * weight``.
 
-    ``eps=None`` means ``torch.finfo(input.dtype).eps``, like PyTorch.
+    ``eps=None`` means the machine epsilon of the type the norm is computed in, as PyTorch's
+    kernels do: ``torch.finfo(torch.float32).eps`` for float16 / bfloat16 / float32 inputs,
+    ``torch.finfo(torch.float64).eps`` for float64 (not the 16-bit type's own, 4-5 orders of
+    magnitude larger).
     """
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    if eps is None:
+        eps = torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps
     return _run(input, None, normalized_shape, weight, None, eps, True, backend)[0]
 
 
