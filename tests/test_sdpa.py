@@ -138,3 +138,18 @@ def test_bad_input_refused_like_torch(args, kw, error):
         kw["attn_mask"].requires_grad_()  # (a mask that needs a gradient takes the math kernel)
     with pytest.raises(RuntimeError):
         F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 4, 8), (2, 4, 8)])  # the one-call path, and the general one
+def test_argument_kinds_refused_like_torch(shape):
+    q = torch.randn(*shape)
+    for bad in ("bottom_right", "no", 1, None):  # a string once meant a bottom-right band on one path
+        with pytest.raises(TypeError, match="is_causal"):
+            fastattn.scaled_dot_product_attention(q, q, q, is_causal=bad)
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, q, q, is_causal=bad)
+    for fn in (fastattn.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        with pytest.raises(TypeError):  # scale and enable_gqa are keyword-only
+            fn(q, q, q, None, 0.0, False, 0.5)
+    torch.testing.assert_close(fastattn.scaled_dot_product_attention(q, q, q, None, 0.0, True, scale=0.5),
+                               F.scaled_dot_product_attention(q, q, q, None, 0.0, True, scale=0.5))

@@ -703,9 +703,9 @@ def scaled_dot_product_attention(
     attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: float | None = None,
     enable_gqa: bool = False,
-    *,
     backend: str | None = None,
 ) -> Tensor:
     """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention`, with its rules:
@@ -713,12 +713,16 @@ def scaled_dot_product_attention(
     dims, broadcast against each other (with ``enable_gqa``, dim -3 holds the heads and the
     query's may be a multiple of the key/value's); ``attn_mask`` bool (True = may attend) or
     float (added; float32 or the query's dtype), broadcastable to the weights ``(..., L, S)``;
-    ``is_causal`` (top-left aligned; not with a mask); ``dropout_p`` in [0, 1]. Returns
+    ``is_causal`` a bool (top-left aligned; not with a mask); ``scale`` and ``enable_gqa``
+    keyword-only, as in torch; ``dropout_p`` in [0, 1]. Returns
     ``(..., L, Ev)``. Corner cases as PyTorch: head dim 0 (all scores 0), no keys (output 0),
     empty outputs, ``dropout_p=1`` (output 0, gradients 0).
 
     A query row that may attend no key outputs 0 with gradient 0.
     """
+    if not isinstance(is_causal, bool):  # (the one-call path reads a string as fastattn.attention's causal)
+        raise TypeError(f"is_causal must be a bool, as in torch, got {type(is_causal).__name__}: "
+                        "use fastattn.attention(causal=...) for a bottom-right band")
     if attn_mask is None and dropout_p == 0.0 and (
             out := eager_fast_path("attention", backend, query, key, value, is_causal, scale, enable_gqa)
     ) is not None:
@@ -749,5 +753,5 @@ def scaled_dot_product_attention(
     if E == 0:  # every score is 0 whatever the scale (PyTorch's 1/sqrt(0) multiplies nothing);
         scale, backend = 1.0, "naive"  # the compiled kernels need a head dim, the result is the same
     # (checked above with PyTorch's rules, which cover attention's own: no second check)
-    out = _attend(q, k, v, mask, bool(is_causal), None, scale, dropout_p, None, False, backend)
+    out = _attend(q, k, v, mask, is_causal, None, scale, dropout_p, None, False, backend)
     return out if out.shape == out_shape else out.reshape(out_shape)
