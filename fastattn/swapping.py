@@ -185,16 +185,15 @@ def swap(
         note = ""
         if flag == "layer":
             try:
-                act = activation_name(module.activation)
+                activation_name(module.activation)
                 fused, note = ffn, "" if ffn else "ffn kept in PyTorch (ffn=False)"
             except ValueError:
-                act, fused = "relu", False
+                fused = False
                 note = f"ffn kept in PyTorch: activation {module.activation!r} is not one of fastattn's"
         module.__class__ = fast if cls is base else _combined_class(cls, fast)
         module.__dict__[_ORIGINAL] = cls
         module.backend = backend
         if flag == "layer":
-            module.activation_name = act
             module.fused_ffn = fused
         report.replaced.append(SwapEntry(name, _label(cls), _label(type(module)), note))
 
@@ -229,7 +228,7 @@ def unswap(model: torch.nn.Module) -> SwapReport:
         cls = module.__dict__.pop(_ORIGINAL, None)
         if cls is not None:
             before = _label(type(module))
-            for attr in ("backend", "activation_name", "fused_ffn"):
+            for attr in ("backend", "fused_ffn"):
                 module.__dict__.pop(attr, None)
             module.__class__ = cls
             report.replaced.append(SwapEntry(name, before, _label(cls)))

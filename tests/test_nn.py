@@ -455,13 +455,21 @@ def test_layer_activations():
     assert name(F.relu) == "relu" and name(torch.nn.GELU()) == "gelu" and name(torch.nn.GELU("tanh")) == "gelu_tanh"
     assert name(F.silu) == "silu" and name("geglu") == "geglu"
     with pytest.raises(ValueError, match="not supported"):
-        fastattn.nn.TransformerEncoderLayer(16, 2, activation=torch.tanh)
-    with pytest.raises(ValueError, match="not supported"):
         fastattn.nn.TransformerDecoderLayer(16, 2, activation="tanh")
     layer = fastattn.nn.TransformerEncoderLayer(16, 2, 32, activation=F.gelu, dtype=F64, backend="naive").eval()
     ref = torch.nn.TransformerEncoderLayer(16, 2, 32, activation=F.gelu, dtype=F64).eval()
     ref.load_state_dict(layer.state_dict())
     x = torch.randn(5, 2, 16, generator=_gen(), dtype=F64)
+    _close(layer(x), ref(x))
+    # As in torch: any callable, and a reassigned activation takes effect (fused where it can be).
+    for act in (torch.tanh, F.silu, F.relu, torch.nn.GELU("tanh")):  # (a module stays one, in torch too)
+        layer.activation = ref.activation = act
+        assert layer.activation_name == (None if act is torch.tanh else fastattn.nn.transformer.activation_name(act))
+        _close(layer(x), ref(x))
+    layer = fastattn.nn.TransformerEncoderLayer(16, 2, 32, activation=torch.tanh, dtype=F64, backend="naive").eval()
+    ref = torch.nn.TransformerEncoderLayer(16, 2, 32, activation=torch.tanh, dtype=F64).eval()
+    ref.load_state_dict(layer.state_dict())
+    assert "unfused" in repr(layer)
     _close(layer(x), ref(x))
 
 

@@ -6,6 +6,9 @@ They subclass torch's layers: same constructor (plus ``backend=``), the same sub
 the norms :class:`fastattn.nn.LayerNorm`, and the feed-forward block is one :func:`fastattn.ffn`
 call whenever the dropout between ``linear1`` and ``linear2`` is inactive (eval mode or
 ``dropout=0``); otherwise it runs as separate ops so that dropout sits where PyTorch puts it.
+The activation is a name or, as in torch, any callable: torch's relu / gelu / silu (functions or
+modules) run fused, any other runs the feed-forward block as torch ops; reassigning
+``layer.activation`` takes effect, as in torch.
 PyTorch's fused inference fast path is never taken: forward always runs fastattn's kernels.
 """
 
@@ -60,11 +63,10 @@ class _FastLayerMixin:
     """Shared by both layers: the fastattn submodules, the activation and the FFN block."""
 
     backend: str | None = None
-    activation_name: str = "relu"
     fused_ffn: bool = True  # False: the feed-forward runs as torch ops with ``self.activation``
 
     # torch.nn.TransformerEncoderLayer and TransformerDecoderLayer share this signature; ours
-    # adds ``backend`` and takes activation names (torch's layer is built with relu, then patched).
+    # adds ``backend`` and more activation names (torch's layer is built with relu, then patched).
     def __init__(
         self,
         d_model: int,
@@ -80,7 +82,8 @@ class _FastLayerMixin:
         dtype=None,
         backend: str | None = None,
     ) -> None:
-        activation_name(activation)  # fail early, with our message
+        if isinstance(activation, str):
+            activation_name(activation)  # fail early, with our message
         super().__init__(
             d_model, nhead, dim_feedforward, dropout, "relu", layer_norm_eps, batch_first, norm_first,
             bias, device, dtype,
@@ -89,27 +92,38 @@ class _FastLayerMixin:
 
     def _fastattn_init(self, activation, backend, dim_feedforward, bias, factory) -> None:
         self.backend = backend
-        name = activation_name(activation)
-        self.activation_name = name
-        self.activation = _CALLABLES[name]
+        self.activation = _CALLABLES[activation] if isinstance(activation, str) else activation
         # torch's TransformerEncoder takes its nested-tensor fast path only for relu/gelu layers
         # (flag 1/2); 0 keeps it off, so our forward always runs.
         self.activation_relu_or_gelu = 0
-        if name in GATED:  # [gate; up] rows: linear1 produces 2 * dim_feedforward features
+        if self.activation_name in GATED:  # [gate; up] rows: linear1 produces 2 * dim_feedforward features
             self.linear1 = torch.nn.Linear(self.linear1.in_features, 2 * dim_feedforward, bias=bias, **factory)
         _convert_submodules(self, backend)
 
+    @property
+    def activation_name(self) -> str | None:
+        """The fused FFN's name for ``self.activation``, read on every call (torch's layers let
+        ``activation`` be reassigned); None for a callable it does not have (the FFN then runs
+        as torch ops with it, as torch's layer would)."""
+        try:
+            return activation_name(self.activation)
+        except ValueError:
+            return None
+
     def _ff(self, x: Tensor) -> Tensor:
-        """``linear2(dropout(act(linear1(x))))``, fused when that dropout is inactive."""
-        if self.fused_ffn and (not self.training or self.dropout.p == 0):
+        """``linear2(dropout(act(linear1(x))))``, fused when that dropout is inactive and the
+        activation is one the fused FFN has."""
+        name = self.activation_name
+        if name is not None and self.fused_ffn and (not self.training or self.dropout.p == 0):
             return ffn(
                 x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
-                self.activation_name, backend=self.backend,
+                name, backend=self.backend,
             )
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation_name!r}, backend={self.backend!r}"
+        act = self.activation_name or f"{self.activation!r} (unfused)"
+        return f"activation={act!r}, backend={self.backend!r}"
 
 
 def _convert_submodules(layer: torch.nn.Module, backend: str | None) -> None:
@@ -128,7 +142,7 @@ class TransformerEncoderLayer(_FastLayerMixin, torch.nn.TransformerEncoderLayer)
     """:class:`torch.nn.TransformerEncoderLayer` on fastattn's kernels (see the module docstring).
 
     ``activation`` is a name (relu, gelu, gelu_tanh, silu, swiglu, geglu; the gated two give
-    ``linear1`` ``2 * dim_feedforward`` outputs) or one of torch's relu / gelu / silu callables.
+    ``linear1`` ``2 * dim_feedforward`` outputs) or any callable (see the module docstring).
     """
 
     def forward(
