@@ -217,6 +217,15 @@ def test_merge_mha_masks_is_minimal():
         merge_mha_masks(torch.zeros(L, S, dtype=torch.int64), None, N, H, L, S)
 
 
+def test_mha_bad_input_names_the_callers_shapes():
+    mha = fastattn.nn.MultiheadAttention(8, 2)  # (L, N, E)
+    q, kv = torch.randn(4, 3, 8), torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match=r"query \[4, 3, 8\] and key \[5, 2, 8\] must share their batch dim"):
+        mha(q, kv, kv)
+    with pytest.raises(ValueError, match=r"unbatched .* 1-D \(S,\), got shape \[1, 5\]"):
+        mha(q[:, 0], kv[:, 0], kv[:, 0], key_padding_mask=torch.zeros(1, 5, dtype=torch.bool))
+
+
 def test_mha_matches_numpy_reference():
     torch.manual_seed(0)
     m = fastattn.nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64, backend="naive").eval()

@@ -103,7 +103,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     be omitted). With ``need_weights=True`` the weights are computed separately by
     :func:`fastattn.scaled_masked_softmax` (averaged over heads when ``average_attn_weights``);
     the output always comes from the fused attention. Dropout (``dropout``) applies in
-    training mode only. Differences: a query that may attend no key outputs 0, not NaN.
+    training mode only. Differences: a query that may attend no key outputs 0, not NaN; and
+    with ``add_bias_kv`` / ``add_zero_attn`` and ``is_causal=True`` the appended keys are visible
+    to every query whatever ``need_weights`` (torch keeps them visible with ``need_weights=True``
+    and hides them from the first queries with ``need_weights=False``, where its fast path puts
+    the causal band over all keys).
     """
 
     backend: str | None = None
@@ -164,6 +168,17 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if key.shape[:-1] != value.shape[:-1]:
             raise ValueError(
                 f"key {list(key.shape)} and value {list(value.shape)} must share their batch and length dims"
+            )
+        bdim = 0 if self.batch_first else 1
+        if batched and query.shape[bdim] != key.shape[bdim]:
+            raise ValueError(
+                f"query {list(query.shape)} and key {list(key.shape)} must share their batch dim "
+                f"(dim {bdim}, batch_first={self.batch_first})"
+            )
+        if not batched and key_padding_mask is not None and key_padding_mask.dim() != 1:
+            raise ValueError(
+                "for an unbatched (2-D) query, key_padding_mask must be None or 1-D (S,), got shape "
+                f"{list(key_padding_mask.shape)}"
             )
 
         # Batch-first views, identity (self-attention) preserved for the packed projection.
