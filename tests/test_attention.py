@@ -143,7 +143,7 @@ def test_cpu_backward_both_passes_with_masks(kind, dtype, hkv):
                          ids=lambda s: "x".join(map(str, s)))
 def test_cpu_plain_forward_on_either_kernel(monkeypatch, torch_kernel, dtype, shape):
     """The cpu backend's non-causal forward without mask or dropout runs torch's own CPU flash
-    kernel on Intel and Zen 3 CPUs and its own elsewhere (FASTATTN_CPU_TORCH_ATTENTION=1 / 0
+    kernel on Intel CPUs and its own elsewhere (FASTATTN_CPU_TORCH_ATTENTION=1 / 0
     forces one): either way the output, the lse its backward uses and the gradients match the reference."""
     monkeypatch.setenv("FASTATTN_CPU_TORCH_ATTENTION", torch_kernel)
     B, H, Lq, Lk, D = shape

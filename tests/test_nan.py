@@ -164,7 +164,7 @@ def test_full_band_infinite_query_rows(backend, device, value, torch_kernel, mon
     """Nothing masked, one query row with a non-finite feature and one all non-finite: their
     scores hold +-inf or NaN, so IEEE arithmetic (the reference) makes both rows NaN and leaves
     the others exact. The cpu backend hands this forward to torch's own CPU flash kernel on Intel
-    and Zen 3 CPUs (FASTATTN_CPU_TORCH_ATTENTION=1: anywhere), whose AVX-512 path outputs 0 with lse 0 for
+    CPUs (FASTATTN_CPU_TORCH_ATTENTION=1: anywhere), whose AVX-512 path outputs 0 with lse 0 for
     such rows (torch 2.13): it must notice and not keep that."""
     if backend == "cuda":
         pytest.skip("the cuda attention kernels take float16 / bfloat16 only")

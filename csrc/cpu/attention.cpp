@@ -25,7 +25,7 @@
 //   instead (pack_kv_tile), in cache, and only q is packed first; where the kv heads also
 //   outnumber the threads, a worker takes all tasks of one kv head at once (kv_major), so each
 //   tile is packed once.
-// * On Intel and AMD Zen 3 CPUs the non-causal forward with no mask and no dropout (H == Hkv,
+// * On Intel CPUs the non-causal forward with no mask and no dropout (H == Hkv,
 //   D == Dv, float32 or bfloat16) runs torch's own CPU flash attention, the faster kernel there
 //   (torch_forward_applies, below); the NaN rule is checked on its output.
 // * Few queries (at most kDecodeRows rows per kv head, no mask, no dropout): the forward runs as
@@ -537,11 +537,11 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 // backward takes its output.
 // Where: on Intel CPUs, whose MKL GEMMs inside torch's kernel outrun our tile GEMMs (Xeon,
 // AVX-512 and AVX2: ours took 1.23-1.33x its time at 4x4x256x64 float32 on one thread; the
-// bench's plain forwards read 0.78-0.95x torch), and on AMD Zen 3 (EPYC, AVX2: ours took
-// 1.15-1.16x its time on one thread at L 2048, D 64 and 128; on two threads ours read 0.83-0.93x
-// torch at B1 H8 L 1024-2048 and 1.04-1.07x at B1 H4 L 2048 and B2 H8 L 512, this path
-// 0.98-1.02x throughout); not on Zen 2 or Zen 4, where ours is 7-15% faster
-// (bench/results/cpu-notes.md, sessions 17, 19 and 27).
+// bench's plain forwards read 0.78-0.95x torch); not on AMD CPUs: on Zen 2 and Zen 4 ours is
+// 7-15% faster, and on Zen 3 (EPYC, AVX2), where torch's kernel was taken in sessions 27-28,
+// ours with 256-row blocks and head-major tasks reads 1.01-1.22x this path at L 256-4096, D 64
+// and 128, float32 and bfloat16, but 0.93-1.01 at L 1024 D 128 (bench/results/cpu-notes.md,
+// sessions 17, 19, 27 and 29).
 // FASTATTN_CPU_TORCH_ATTENTION=0 / 1 turns it off / on whatever the CPU (read on every call); the
 // first call that takes it is logged (INFO).
 
@@ -863,7 +863,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
 bool cpu::torch_plain_forward() {
   const char* env = std::getenv("FASTATTN_CPU_TORCH_ATTENTION");
   if (env != nullptr && env[0] != '\0') return std::strcmp(env, "0") != 0;
-  return cpu::intel_cpu() || cpu::zen3_cpu();
+  return cpu::intel_cpu();
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {

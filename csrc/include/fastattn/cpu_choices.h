@@ -10,7 +10,7 @@ namespace fastattn {
 namespace cpu {
 
 // csrc/cpu/attention.cpp: whether the plain non-causal forward (no mask, no dropout) runs torch's
-// own CPU flash attention rather than ours (Intel and AMD Zen 3 CPUs; FASTATTN_CPU_TORCH_ATTENTION).
+// own CPU flash attention rather than ours (Intel CPUs; FASTATTN_CPU_TORCH_ATTENTION).
 bool torch_plain_forward();
 
 // csrc/cpu/ffn.cpp: whether the FFN's matmuls of a 16-bit dtype run in float32 (CPUs without dot

@@ -88,18 +88,6 @@ inline bool intel_cpu() {
 #endif
 }
 
-// Whether this is an AMD Zen 3 CPU (family 19h without AVX-512: gcc 12's libgcc also names Zen 4,
-// the same family with AVX-512, "znver3"). The cpu attention forward's choice of kernel depends on
-// it too.
-inline bool zen3_cpu() {
-#if FASTATTN_X86_DISPATCH
-  static const bool zen3 =
-      (__builtin_cpu_init(), __builtin_cpu_is("znver3") && !__builtin_cpu_supports("avx512f"));
-  return zen3;
-#else
-  return false;
-#endif
-}
 
 // The ISA the kernels use in this process (detected once).
 inline Isa cpu_isa() {
