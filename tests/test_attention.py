@@ -183,7 +183,7 @@ def _cpu_forward_and_reference(threads, B, H, Hkv, Lq, Lk, D, opts):
 def test_cpu_forward_claims_a_kv_head_at_a_time(threads, H, Lq, Lk, opts):
     """Where every key tile serves at most two tasks and the kv heads outnumber the threads, a
     cpu forward worker claims all tasks of one kv head at once and packs its key tiles once
-    (kv_major in csrc/cpu/attention.cpp): the GQA group's heads, or a head's two query blocks,
+    (whole_kv_head in csrc/cpu/attention.cpp): the GQA group's heads, or a head's two query blocks,
     against the reference with every option, on 1 and 2 threads, one and two key tiles."""
     out, _, ref, _ = _cpu_forward_and_reference(threads, 2, H, 4, Lq, Lk, 16, opts)
     assert_close_to_reference(out, ref, name="out")

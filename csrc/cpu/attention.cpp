@@ -23,8 +23,8 @@
 //   computed in A and rounded once at the end. In the forward a key tile serves nqb * G tasks;
 //   where that is at most two, each task packs the k / v tiles it uses into its own buffers
 //   instead (pack_kv_tile), in cache, and only q is packed first; where the kv heads also
-//   outnumber the threads, a worker takes all tasks of one kv head at once (kv_major), so each
-//   tile is packed once.
+//   outnumber the threads, a worker takes all tasks of one kv head at once (whole_kv_head), so
+//   each tile is packed once.
 // * On Intel CPUs the non-causal forward with no mask and no dropout (H == Hkv,
 //   D == Dv, float32 or bfloat16) runs torch's own CPU flash attention, the faster kernel there
 //   (torch_forward_applies, below); the NaN rule is checked on its output.
@@ -123,7 +123,7 @@ struct FwdArgs {
   // Set with pack_tile where the kv heads outnumber the threads: a worker claims the G * nqb
   // tasks of one kv head at a time (tasks are head-major: query_task), so its key tiles are
   // packed once, not once per task (a task per (b, h, query block) otherwise).
-  bool kv_major = false;
+  bool whole_kv_head = false;
   // Stores row `index` of the output (Dv values o * inv, rounded once to T: a float16 / bfloat16
   // output needs no A copy and no second pass); set wherever out is (store_out_row<T, A>).
   void (*out_row)(void* out, int64_t index, const A* o, A inv, int64_t Dv) = nullptr;
@@ -144,7 +144,7 @@ FASTATTN_INLINE void fwd_worker(const FwdArgs<typename V::value_type>& p, std::a
   std::vector<A> kbuf(local ? kColumnGroup * D : 0);
   int64_t held = -1;  // the tile ktile / vtile hold (bg * nkb + kb)
   bool held_bad = false;
-  const int64_t ntasks = sh.B * sh.H * p.nqb, chunk = p.kv_major ? sh.G * p.nqb : 1;
+  const int64_t ntasks = sh.B * sh.H * p.nqb, chunk = p.whole_kv_head ? sh.G * p.nqb : 1;
   for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < ntasks;)
   for (int64_t t = t0; t < std::min(t0 + chunk, ntasks); ++t) {
     const auto [qb, bh, b, h, bg, i0, nq, stream] = query_task(t, sh, p.qb_order, BQ, p.drop);
@@ -667,7 +667,7 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (local) {
     p.pack_tile = &KvTiles<T, A>::pack;
     p.pack_ctx = &tiles;
-    p.kv_major = nqb * sh.G > 1 && sh.B * sh.Hkv >= 4 * at::get_num_threads();
+    p.whole_kv_head = nqb * sh.G > 1 && sh.B * sh.Hkv >= 4 * at::get_num_threads();
   }
   run_workers(sh.B * sh.H * nqb, [&](std::atomic<int64_t>& next) { fwd_dispatch<A, false>(p, next); });
 }
