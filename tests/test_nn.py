@@ -191,6 +191,23 @@ def test_mha_fully_masked_row_is_zero():
     assert not torch.isnan(x.grad).any()
 
 
+def test_mha_float32_mask_kept_in_float32_for_a_bf16_module():
+    """torch adds a float32 attn_mask in float32 to a bf16 module's scores; rounded to bf16
+    first (a bias near 100: steps of 0.5) the output moved several times further from float64."""
+    E, H, L = 16, 2, 8
+    torch.manual_seed(0)
+    ref, ours = _pair(torch.nn.MultiheadAttention(E, H, batch_first=True),
+                      fastattn.nn.MultiheadAttention(E, H, batch_first=True))
+    x = torch.randn(1, L, E, generator=_gen())
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    bias = -(i - j).abs().float() * 3.37 + 100.0
+    want = ref.double()(*(x.double(),) * 3, attn_mask=bias.double(), need_weights=False)[0]
+    ref, ours, xb = ref.bfloat16(), ours.bfloat16(), x.bfloat16()
+    torch_err = (ref(xb, xb, xb, attn_mask=bias, need_weights=False)[0].double() - want).abs().max()
+    err = (ours(xb, xb, xb, attn_mask=bias, need_weights=False)[0].double() - want).abs().max()
+    assert err <= 1.5 * torch_err + 1e-3, (err, torch_err)
+
+
 def test_merge_mha_masks_is_minimal():
     """One fastattn mask (True = allowed), never expanded past the shapes it combines."""
     N, H, L, S = 3, 4, 5, 6

@@ -89,6 +89,23 @@ def test_masks_like_torch(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_mask_kept_in_float32_for_16_bit_queries(backend):
+    """torch adds a float32 mask in float32 to bf16 scores; rounding it to bf16 first (89.89 ->
+    90.0) moved this output by 0.06 against the float64 result, 7x torch's own error."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    bias = -(i - j).abs().float() * 3.37 + 100.0
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias.double())
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend=backend)
+    torch_err = (F.scaled_dot_product_attention(q, k, v, attn_mask=bias).double() - want).abs().max()
+    assert (got.double() - want).abs().max() <= 2 * torch_err + 4e-3
+    torch.testing.assert_close(got, fastattn.attention(q, k, v, mask=bias.expand(1, 2, 8, 8), backend=backend),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["head dim 0", "value dim 0", "no queries", "no keys", "no batch", "dropout 1"])
 def test_corner_cases_like_torch(backend, case):
     qs, ks, vs, kw = (2, 3, 5, 4), (2, 3, 6, 4), (2, 3, 6, 4), {}
@@ -151,5 +168,8 @@ def test_argument_kinds_refused_like_torch(shape):
     for fn in (fastattn.scaled_dot_product_attention, F.scaled_dot_product_attention):
         with pytest.raises(TypeError):  # scale and enable_gqa are keyword-only
             fn(q, q, q, None, 0.0, False, 0.5)
+    for fn in (fastattn.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        with pytest.raises(TypeError, match="scale"):
+            fn(q, q, q, scale="a")
     torch.testing.assert_close(fastattn.scaled_dot_product_attention(q, q, q, None, 0.0, True, scale=0.5),
                                F.scaled_dot_product_attention(q, q, q, None, 0.0, True, scale=0.5))

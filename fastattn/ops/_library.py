@@ -391,6 +391,17 @@ def last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def as_float(name: str, value) -> float:
+    """``value`` (a Python number, or anything ``float()`` takes but a string) as a float, or a
+    TypeError naming the argument, as torch's argument parser raises for a float argument."""
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}: {value!r}") from None
+
+
 def check_like(device: torch.device, **like: tuple) -> None:
     """The registered ops' check of the tensors that only they take (gradients, saved outputs,
     statistics): each ``name=(tensor, shape, dtype)`` must be a tensor of ``shape`` on ``device``,

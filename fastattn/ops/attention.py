@@ -29,7 +29,7 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    BELOW_AUTOGRAD, IS_COMPILING, broadcast_shapes, broadcasts_to, check_like, define_op,
+    BELOW_AUTOGRAD, IS_COMPILING, as_float, broadcast_shapes, broadcasts_to, check_like, define_op,
     eager_fast_path, eager_first, empty_or_none, forward_ad_needs, last_dim_contiguous,
     no_autograd, op_callable, triton_kernels,
 )
@@ -613,7 +613,7 @@ def attention(
 def _attend(query, key, value, mask, causal, window, scale, dropout_p, seed, return_lse, backend):
     """:func:`attention` on arguments already checked (by :func:`_validate`, or by
     :func:`_sdpa_shapes` for the SDPA drop-in): mask None or (B, H, Lq, Lk)."""
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else as_float("scale", scale)
     offset, left, right = band(query.shape[2], key.shape[2], causal, window)
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
@@ -747,9 +747,9 @@ def scaled_dot_product_attention(
     q, k, v = four_d(query, H), four_d(key, hkv), four_d(value, hkv)
     mask = None
     if attn_mask is not None:
+        # a float32 mask stays float32 with 16-bit q, k, v (added in float32, as torch does;
+        # every backend reads a float mask of any dtype)
         mask = attn_mask.expand(*batch, H, L, S).reshape(B, H, L, S)
-        if mask.is_floating_point() and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)
     if E == 0:  # every score is 0 whatever the scale (PyTorch's 1/sqrt(0) multiplies nothing);
         scale, backend = 1.0, "naive"  # the compiled kernels need a head dim, the result is the same
     # (checked above with PyTorch's rules, which cover attention's own: no second check)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import (
-    broadcasts_to, check_like, define_op, eager_fast_path, forward_ad_needs, last_dim_contiguous,
+    as_float, broadcasts_to, check_like, define_op, eager_fast_path, forward_ad_needs, last_dim_contiguous,
     triton_kernels,
 )
 
@@ -147,4 +147,4 @@ def scaled_masked_softmax(
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
     _, impl = backends.select("softmax", x.device, backend, x.dtype, needs=forward_ad_needs(x4, mask))
-    return impl(x4, mask, float(scale), bool(is_causal)).view(shape)
+    return impl(x4, mask, as_float("scale", scale), bool(is_causal)).view(shape)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from fastattn import backends
-from fastattn.ops._library import check_like, define_op, eager_fast_path, last_dim_contiguous, triton_kernels
+from fastattn.ops._library import as_float, check_like, define_op, eager_fast_path, last_dim_contiguous, triton_kernels
 from fastattn.ops.attention import _CAUSAL, _DTYPES, _naive as _naive_attention
 
 _DROPOUT_STREAM = 0x9E3779B9
@@ -439,7 +439,7 @@ def varlen_attention(
     host = torch.cat([cu_seqlens_q, cu_seqlens_k]).cpu()  # one device-to-host copy
     max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q, _seqlens("cu_seqlens_q", host[:batch1], q.shape[0]))
     max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k, _seqlens("cu_seqlens_k", host[batch1:], k.shape[0]))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else as_float("scale", scale)
     bottom_right, left, right = _band_args(causal, window, max_seqlen_q + max_seqlen_k)
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
@@ -484,7 +484,7 @@ def paged_attention(
     _check_paged("q", q, k_cache, v_cache, block_table, cache_seqlens,
                  values=name not in _CHECKS_PAGED_VALUES)
     _check_paged_heads(q, k_cache)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else as_float("scale", scale)
     unbounded = q.shape[2] + block_table.shape[1] * k_cache.shape[1]
     bottom_right, left, right = _band_args(causal, window, unbounded)
     q, k_cache, v_cache = (last_dim_contiguous(t) for t in (q, k_cache, v_cache))
