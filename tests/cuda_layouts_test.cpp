@@ -4,8 +4,11 @@
 // It models shared memory as 32 banks of 4-byte words and ldmatrix / mma.sync by their PTX
 // definitions, then checks, for every tile shape and operand corner the kernels use:
 //   - every swizzled layout is a bijection of the tile onto [0, ROWS * COLS);
-//   - ldmatrix.x4 (and .trans) fed with the ldsm_* row addresses delivers to every lane exactly
+//   - ldmatrix.x4 (and .trans) fed with the ldsm_* row addresses, computed as the kernels do
+//     (lane part and corner part, Swizzled::fragment_offset), delivers to every lane exactly
 //     the elements the mma.m16n8k16 fragment definition asks for;
+//   - the split address functions (fragment_offset, copy_offset) equal chunk_offset wherever
+//     their preconditions hold;
 //   - the accumulators of two adjacent n-tiles are the A fragment of the next product (P reuse);
 //   - every warp access pattern (ldmatrix phases, 16-byte cp.async stores, the epilogue's 32-bit
 //     fragment stores and 16-byte reads, the float2 accumulator read-modify-writes) is
@@ -128,7 +131,7 @@ void check_ldmatrix() {
       std::vector<int64_t> bytes(32);
       // ldsm_a: A[i][k] = X[r0 + i][c0 + k].
       for (int l = 0; l < 32; ++l) {
-        addr[l] = L::chunk_offset(r0 + ldsm_a_row(l), c0 / 8 + ldsm_a_chunk(l));
+        addr[l] = L::fragment_offset(L::lane_offset(ldsm_a_row(l), ldsm_a_chunk(l)), r0, c0 / 8);
         bytes[l] = 2 * int64_t{addr[l]};
       }
       check(conflict_free(bytes, 16), "ldsm_a conflict free", ROWS, COLS, r0 * 1000 + c0);
@@ -158,7 +161,7 @@ void check_ldmatrix() {
 
       // ldsm_b: B[k][n] = X[r0 + n][c0 + k] (X's rows are B's columns), n-tiles r0, r0 + 8.
       for (int l = 0; l < 32; ++l) {
-        addr[l] = L::chunk_offset(r0 + ldsm_b_row(l), c0 / 8 + ldsm_b_chunk(l));
+        addr[l] = L::fragment_offset(L::lane_offset(ldsm_b_row(l), ldsm_b_chunk(l)), r0, c0 / 8);
         bytes[l] = 2 * int64_t{addr[l]};
       }
       check(conflict_free(bytes, 16), "ldsm_b conflict free", ROWS, COLS, r0 * 1000 + c0);
@@ -175,6 +178,36 @@ void check_ldmatrix() {
       check(ok, "ldsm_b gives the mma B fragments of X^T", ROWS, COLS, r0 * 1000 + c0);
     }
   }
+}
+
+// The kernels' split address functions against chunk_offset: fragment_offset for every lane row
+// and chunk (lr < 16, lc < 2), corner rows r0 % 8 == 0 and even chunks c0; copy_offset for every
+// thread row, chunk, pass and row step the copies use.
+template <int COLS>
+void check_split() {
+  using L = Swizzled<COLS>;
+  bool ok = true;
+  for (int r0 = 0; r0 < 256; r0 += 8)
+    for (int c0 = 0; c0 < L::CHUNKS; c0 += 2)
+      for (int lr = 0; lr < 16; ++lr)
+        for (int lc = 0; lc < 2; ++lc)
+          ok = ok && L::fragment_offset(L::lane_offset(lr, lc), r0, c0) == L::chunk_offset(r0 + lr, c0 + lc);
+  check(ok, "fragment_offset == chunk_offset", COLS);
+  ok = true;
+  for (int r_t = 0; r_t < 64; ++r_t)
+    for (int ch = 0; ch < L::CHUNKS; ++ch)
+      for (int it = 0; it < 16; ++it) {
+        ok = ok && L::template copy_offset<1>(r_t, ch, it) == L::chunk_offset(r_t + it, ch);
+        ok = ok && L::template copy_offset<2>(r_t, ch, it) == L::chunk_offset(r_t + 2 * it, ch);
+        ok = ok && L::template copy_offset<4>(r_t, ch, it) == L::chunk_offset(r_t + 4 * it, ch);
+        ok = ok && L::template copy_offset<8>(r_t, ch, it) == L::chunk_offset(r_t + 8 * it, ch);
+        ok = ok && L::template copy_offset<16>(r_t, ch, it) == L::chunk_offset(r_t + 16 * it, ch);
+        ok = ok && L::template copy_offset<32>(r_t, ch, it) == L::chunk_offset(r_t + 32 * it, ch);
+      }
+  check(ok, "copy_offset == chunk_offset", COLS);
+  // control: the split does need its precondition (an odd corner chunk breaks it)
+  check(L::fragment_offset(L::lane_offset(1, 1), 0, 1) != L::chunk_offset(1, 2),
+        "control: fragment_offset needs an even corner chunk", COLS);
 }
 
 // The cp.async tile copy (consecutive threads, consecutive 16-byte chunks) for NTHREADS threads.
@@ -289,6 +322,9 @@ int main() {
     check_layout<256>(rows);
   }
   // Operand tiles of the kernels: Q / dO (BM x DP), K / V (BN x DP) for DP = 64, 128, 256.
+  check_split<64>();
+  check_split<128>();
+  check_split<256>();
   check_ldmatrix<128, 64>();
   check_ldmatrix<128, 128>();
   check_ldmatrix<64, 256>();

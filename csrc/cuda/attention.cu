@@ -42,12 +42,17 @@
 //   loop (DP = 256 and MT = 2 re-read it with ldmatrix: O fills the registers). The CTA walks the
 //   BN-key tiles that intersect the band (tiles entirely outside it are skipped), K and V
 //   (both row-major) double-buffered: the cp.async of tile n+1 is in flight while tile n is
-//   computed. Per tile: S = Q K^T, then scale (and, only on tiles a warp does not see whole:
-//   bounds, band edge, user mask, per element), online softmax in log2 units (exp2f, log2(e)
-//   folded into the scale; running max per row in registers, per-lane partial sums reduced over
-//   the quad at the end), dropout on the probabilities that feed P V (the row sums use the
-//   undropped P), O rescaled and O += P V. Epilogue: O * (1/(1-p)) / l staged through the warp's
-//   own rows of the Q tile and written as 16-byte vectors, lse = (m + log2 l) * ln 2.
+//   computed. Per tile: S = Q K^T, then (only on tiles a warp does not see whole: bounds, band
+//   edge, user mask, per element) scale and mask, online softmax in log2 units (exp2f, log2(e)
+//   folded into the scale, which a whole tile applies in the exponent's FMA; running max per row
+//   in registers, per-lane partial sums reduced over the quad at the end), dropout on the
+//   probabilities that feed P V (the row sums use the undropped P), O rescaled and O += P V.
+//   Epilogue: O * (1/(1-p)) / l staged through the warp's own rows of the Q tile and written as
+//   16-byte vectors, lse = (m + log2 l) * ln 2.
+//   Instructions per key tile and warp on that path (D128, whole tile, no dropout; sm_90a SASS
+//   read along it): 580, 128 of them HMMA; 1049 before the loads' addresses were split into a
+//   lane part and a constant (Swizzled::fragment_offset, copy_offset) and the scale moved into
+//   the FMA. `make check-cuda` bounds the address arithmetic left around the mma.
 // - backward, three kernels, deterministic:
 //   * delta = rowsum(dO * O), one warp per row;
 //   * dK/dV: one CTA per (BN keys, b, kv head), BN / 16 warps of 16 keys each. It loops over
@@ -176,6 +181,25 @@ __device__ __forceinline__ void load_tile_async(uint16_t* __restrict__ s,
   using L = Swizzled<DP>;
   constexpr int TOTAL = ROWS * L::CHUNKS;
   // Thread tid copies chunks tid, tid + NTHREADS, ... (cuda_layout::copy_chunk_index).
+  if constexpr (NTHREADS % L::CHUNKS == 0) {
+    // Then the thread's chunk of a row is the same in every pass and its rows step by RSTEP:
+    // when its 16-byte chunk is whole and all ROWS rows are in bounds (every tile but a
+    // sequence's last, at D == DP), each pass is one cp.async at addresses stepped by constants
+    // (Swizzled::copy_offset), no bounds test: this loop was ~25 instructions a chunk.
+    constexpr int RSTEP = NTHREADS / L::CHUNKS;
+    const int r_t = static_cast<int>(threadIdx.x) / L::CHUNKS;
+    const int ch = static_cast<int>(threadIdx.x) % L::CHUNKS;
+    if (vec && ch * 8 + 8 <= n_cols && row0 + ROWS <= n_rows) {
+      const uint16_t* src = g + int64_t{row0 + r_t} * row_stride + ch * 8;
+      const int64_t step = int64_t{RSTEP} * row_stride;
+#pragma unroll
+      for (int it = 0; it < (ROWS + RSTEP - 1) / RSTEP; ++it) {
+        if (ROWS % RSTEP != 0 && r_t + it * RSTEP >= ROWS) break;
+        cp_async_16(s + L::template copy_offset<RSTEP>(r_t, ch, it), src + it * step);
+      }
+      return;
+    }
+  }
   for (int idx = threadIdx.x; idx < TOTAL; idx += NTHREADS) {
     const int r = idx / L::CHUNKS, ch = idx % L::CHUNKS;
     const int gr = row0 + r, col = ch * 8;
@@ -200,24 +224,29 @@ __device__ __forceinline__ void load_tile_async(uint16_t* __restrict__ s,
   }
 }
 
-// Operand loads from a swizzled tile with row length DP (cuda_layout.cuh, section 3).
+// Operand loads from a swizzled tile with row length DP (cuda_layout.cuh, section 3). The
+// addresses split into the lane's part and the corner's (Swizzled::fragment_offset): r0, k0, n0
+// are multiples of 16 at every call.
 // A fragment of rows [r0, r0 + 16) x k [k0, k0 + 16).
 template <int DP>
 __device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const uint16_t* tile, int r0, int k0,
                                        int lane) {
-  ldsm_x4(a, tile + Swizzled<DP>::chunk_offset(r0 + ldsm_a_row(lane), k0 / 8 + ldsm_a_chunk(lane)));
+  using L = Swizzled<DP>;
+  ldsm_x4(a, tile + L::fragment_offset(L::lane_offset(ldsm_a_row(lane), ldsm_a_chunk(lane)), r0, k0 / 8));
 }
 // B = X^T (B[k][n] = X[n0 + n][k0 + k]) for the two n-tiles n0, n0 + 8: b[0..1], b[2..3].
 template <int DP>
 __device__ __forceinline__ void ldsm_b(uint32_t (&b)[4], const uint16_t* tile, int n0, int k0,
                                        int lane) {
-  ldsm_x4(b, tile + Swizzled<DP>::chunk_offset(n0 + ldsm_b_row(lane), k0 / 8 + ldsm_b_chunk(lane)));
+  using L = Swizzled<DP>;
+  ldsm_x4(b, tile + L::fragment_offset(L::lane_offset(ldsm_b_row(lane), ldsm_b_chunk(lane)), n0, k0 / 8));
 }
 // B = X (B[k][n] = X[k0 + k][n0 + n]) for the two n-tiles n0, n0 + 8: b[0..1], b[2..3].
 template <int DP>
 __device__ __forceinline__ void ldsm_bt(uint32_t (&b)[4], const uint16_t* tile, int k0, int n0,
                                         int lane) {
-  ldsm_x4_trans(b, tile + Swizzled<DP>::chunk_offset(k0 + ldsm_a_row(lane), n0 / 8 + ldsm_a_chunk(lane)));
+  using L = Swizzled<DP>;
+  ldsm_x4_trans(b, tile + L::fragment_offset(L::lane_offset(ldsm_a_row(lane), ldsm_a_chunk(lane)), k0, n0 / 8));
 }
 
 // The A fragment of k-step ks made of the accumulators of n-tiles 2 ks and 2 ks + 1 (P reuse).
@@ -831,17 +860,46 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      // Scores in log2 units, -inf where not visible; the tile's row maxima.
-      float mx[2] = {-INFINITY, -INFINITY};
-      if (tile_whole(p, m0 + wrow + 16 * mt, 16, n0, BN)) {  // warp-uniform
+      // The online softmax of the tile's rows, given its scores in log2 units as sc * s (-inf
+      // where not visible) and their row maxima mx: the running max and sum, alpha (the factor
+      // O is rescaled by), and P (relative to the running max) in s.
+      float alpha[2];
+      auto softmax_rows = [&](float (&mx)[2], float sc) {
+        float m_safe[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float m_new = fmaxf(m_run[mt][r], quad_max(mx[r]));
+          m_safe[r] = m_new == -INFINITY ? 0.f : m_new;
+          alpha[r] = exp2f(m_run[mt][r] - m_safe[r]);  // 0 while the row was empty
+          m_run[mt][r] = m_new;
+          l_run[mt][r] *= alpha[r];
+        }
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            s[mt][nt][e] *= p.scale_log2;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nt][e]);
+            // exp2(-inf) = 0 where not visible
+            const float pr = exp2f(fmaf(s[mt][nt][e], sc, -m_safe[e >> 1]));
+            l_run[mt][e >> 1] += pr;
+            s[mt][nt][e] = pr;
           }
         }
+      };
+      float mx[2] = {-INFINITY, -INFINITY};
+      if (p.scale_log2 > 0.f && tile_whole(p, m0 + wrow + 16 * mt, 16, n0, BN)) {  // warp-uniform
+        // A whole tile keeps the raw products: the row max of the raw products times the
+        // (positive) scale is the max of the scaled ones, rounding being monotonic, and the
+        // scale rides in the exponent's FMA -- one instruction an element, not a multiply and a
+        // subtraction. (softmax_rows is written out in each branch: joined, the branches' s
+        // would need ~32 register moves.)
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nt][e]);
+        }
+        mx[0] *= p.scale_log2;
+        mx[1] *= p.scale_log2;
+        softmax_rows(mx, p.scale_log2);
       } else {
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
@@ -856,29 +914,18 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
             mx[r] = fmaxf(mx[r], v);
           }
         }
+        softmax_rows(mx, 1.f);
       }
-      float m_safe[2], alpha[2];
+      // Dropout on P (the row sums above are of the undropped P): one block-uniform branch a
+      // tile, not one per element pair.
+      if (p.dropout) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(m_run[mt][r], quad_max(mx[r]));
-        m_safe[r] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[r] = exp2f(m_run[mt][r] - m_safe[r]);  // 0 while the row was empty
-        m_run[mt][r] = m_new;
-        l_run[mt][r] *= alpha[r];
-      }
-      // Probabilities (relative to the running max), the row sums, then dropout.
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          float pr = exp2f(s[mt][nt][e] - m_safe[r]);  // exp2(-inf) = 0 where not visible
-          l_run[mt][r] += pr;
-          if (p.dropout) {
+          for (int e = 0; e < 4; ++e) {
             const uint32_t j = static_cast<uint32_t>(n0 + nt * 8 + 2 * t + (e & 1));
-            if (dropout_bits(stream, rng_row[mt][r], j) < p.threshold) pr = 0.f;
+            if (dropout_bits(stream, rng_row[mt][e >> 1], j) < p.threshold) s[mt][nt][e] = 0.f;
           }
-          s[mt][nt][e] = pr;
         }
       }
 #pragma unroll
@@ -1098,8 +1145,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
       float dpt[BM / 8][4] = {};
       mma_two_xt<M16, DP, BM>(st, sK, sQ, dpt, sV, sdO, wrow, lane);
       // st <- P^T * Z (operand of dV), dpt <- dS^T (operand of dK). Per element tests only on
-      // tiles the warp does not see whole (bounds, band edge, user mask), as in the forward.
-      auto to_grads = [&](auto whole) {
+      // tiles the warp does not see whole (bounds, band edge, user mask), as in the forward;
+      // without dropout (`plain`) whole tiles take no per-element branch at all.
+      auto to_grads = [&](auto whole, auto plain) {
 #pragma unroll
         for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
@@ -1114,7 +1162,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
               const float s2 = decltype(whole)::value ? st[nt][e] * p.scale_log2
                                                       : score_log2(p, st[nt][e], mask_off);
               const float pr = exp2f(s2 - lse2);
-              const float z = dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
+              const float z = decltype(plain)::value ? 1.f
+                                                     : dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
               pz = pr * z;
               ds = pr * (dpt[nt][e] * z - sDelta[qc]);
             }
@@ -1124,9 +1173,13 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
         }
       };
       if (tile_whole(p, m0, BM, n0 + wrow, 16)) {  // warp-uniform
-        to_grads(std::true_type{});
+        if (!p.dropout) {
+          to_grads(std::true_type{}, std::true_type{});
+        } else {
+          to_grads(std::true_type{}, std::false_type{});
+        }
       } else {
-        to_grads(std::false_type{});
+        to_grads(std::false_type{}, std::false_type{});
       }
       // A fragments (rows = keys, k = queries) of P^T Z and dS^T.
       uint32_t a_p[BM / 16][4], a_ds[BM / 16][4];
@@ -1265,8 +1318,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
     float dp[BN / 8][4] = {};
     mma_two_xt<M16, DP, BN>(s, sQ, sK, dp, sdO, sV, wrow, lane);
     // s <- dS = P * (Z dP - delta); dmask gets dS for every in-bounds (i, j) of the tile. Per
-    // element tests only on tiles the warp does not see whole, as in the forward.
-    auto to_ds = [&](auto whole) {
+    // element tests only on tiles the warp does not see whole, as in the forward; with neither
+    // dropout nor dmask (`plain`) whole tiles take no per-element branch at all.
+    auto to_ds = [&](auto whole, auto plain) {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -1280,17 +1334,24 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
                                  ? s[nt][e] * p.scale_log2
                                  : score_log2(p, s[nt][e], mask_row[r] + int64_t{j} * p.m_sk);
             const float pr = exp2f(s2 - lse2[r]);
-            ds = pr * (dp[nt][e] * dropout_scale(p, stream, rng_row[r], j) - delta[r]);
+            const float z = decltype(plain)::value ? 1.f : dropout_scale(p, stream, rng_row[r], j);
+            ds = pr * (dp[nt][e] * z - delta[r]);
           }
-          if (dmask_rows != nullptr && i < p.Lq && j < p.Lk) dmask_rows[int64_t{i} * p.Lk + j] = ds;
+          if (!decltype(plain)::value && dmask_rows != nullptr && i < p.Lq && j < p.Lk) {
+            dmask_rows[int64_t{i} * p.Lk + j] = ds;
+          }
           s[nt][e] = ds;
         }
       }
     };
     if (tile_whole(p, m0 + wrow, 16, n0, BN)) {  // warp-uniform
-      to_ds(std::true_type{});
+      if (!p.dropout && dmask_rows == nullptr) {
+        to_ds(std::true_type{}, std::true_type{});
+      } else {
+        to_ds(std::true_type{}, std::false_type{});
+      }
     } else {
-      to_ds(std::false_type{});
+      to_ds(std::false_type{}, std::false_type{});
     }
     // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
     uint32_t a_ds[BN / 16][4];

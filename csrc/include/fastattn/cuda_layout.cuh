@@ -71,6 +71,30 @@ struct Swizzled {
   static FASTATTN_LAYOUT_FN int offset(int row, int col) {
     return chunk_offset(row, col / kChunkElems) + col % kChunkElems;
   }
+
+  // An ldmatrix operand read at corner (r0, chunk c0) -- r0 % 8 == 0 and c0 even, as every
+  // 16 x 16 operand block is -- by a lane that addresses row r0 + lr, chunk c0 + lc (lc 0 or 1)
+  // splits into the lane's part, lane_offset(lr, lc), computed once per kernel, and the corner's:
+  //     chunk_offset(r0 + lr, c0 + lc) == fragment_offset(lane_offset(lr, lc), r0, c0).
+  // (r0 leaves the row's swizzle alone, and c0 + lc == c0 ^ lc, so the XOR splits.) The corner
+  // contributes one XOR with one of 4 constants (c0 % 8) and an addition the compiler folds into
+  // the ldmatrix's immediate: chunk_offset at (r0 + lr, c0 + lc) costs ~3 integer instructions
+  // per ldmatrix in the kernels' SASS (an OR, an XOR, a shift-add), this ~0 -- the key tile of a
+  // D128 forward reads 64 of them per warp.
+  static FASTATTN_LAYOUT_FN int lane_offset(int lr, int lc) { return chunk_offset(lr, lc); }
+
+  // The tile copies: pass `it` of a thread whose chunks are (r_t + it * RSTEP, ch) writes
+  // chunk_offset(r_t + it * RSTEP, ch). With RSTEP a multiple of 8 the swizzle is the same in
+  // every pass and the pass adds a constant; otherwise it is chunk_offset itself.
+  template <int RSTEP>
+  static FASTATTN_LAYOUT_FN int copy_offset(int r_t, int ch, int it) {
+    if (RSTEP % kSwizzleRows == 0) return chunk_offset(r_t, ch) + it * RSTEP * COLS;
+    return chunk_offset(r_t + it * RSTEP, ch);
+  }
+  static FASTATTN_LAYOUT_FN int fragment_offset(int lane_off, int r0, int c0) {
+    return (lane_off ^ (c0 % kSwizzleRows) * kChunkElems) + r0 * COLS +
+           (c0 / kSwizzleRows) * kSwizzleRows * kChunkElems;
+  }
 };
 
 // The 16-byte chunk a thread copies in a tile load (ROWS x COLS tile, NTHREADS threads, pass
