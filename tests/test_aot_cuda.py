@@ -101,3 +101,36 @@ def test_gate_fails_sass_that_reads_a_uniform_register_never_written():
     assert undefined_uniform_reads(called.replace("CALL.REL.NOINC 0x7f60", "NOP")) == ("UR9",)
     row = Row(kernel="_attn_fwd_kernel", case="", undefined=undefined_uniform_reads(faulty))
     assert row.status == "FAIL" and "UR46" in row.problems[0]
+
+
+def test_attention_kernels_must_fold_operand_addresses_into_ldmatrix():
+    """Each ldmatrix of the attention kernels once computed its swizzled address (an OR, an XOR,
+    a shift-add: 2.3-3.1 integer ops per ldmatrix around the mma); the split of
+    cuda_layout.cuh's fragment_offset lets ptxas fold the block's part into the load. The
+    lines are the D128 forward's, shortened."""
+    from fastattn.aot.report import mma_address_ops
+    folded = ("  /*0010*/ LOP3.LUT R13, R113, 0x10, RZ, 0x3c, !PT ;\n"
+              "  /*0020*/ LEA R199, R199, UR4, 0x1 ;\n"
+              "  /*0030*/ LDSM.16.M88.4 R180, [R199+0x9000] ;\n"
+              "  /*0040*/ LDSM.16.M88.4 R92, [R199+0x8000] ;\n"
+              "  /*0050*/ LDSM.16.M88.4 R176, [R199+0xa000] ;\n"
+              "  /*0060*/ LDSM.16.M88.4 R172, [R199+0xb000] ;\n"
+              "  /*0070*/ IMAD.MOV.U32 R23, RZ, RZ, R13 ;\n"
+              "  /*0080*/ HMMA.16816.F32.BF16 R148, R40, R180, RZ ;\n"
+              "  /*0090*/ HMMA.16816.F32.BF16 R100, R40, R92, RZ ;\n")
+    assert mma_address_ops(folded) == 0.5  # the IMAD.MOV is a copy, not address arithmetic
+    per_load = folded.replace("  /*0040*/", "  /*0038*/ LOP3.LUT R26, R24, 0x800, R3, 0xfe, !PT ;\n"
+                              "  /*003a*/ LEA R160, R26, UR4, 0x1 ;\n"
+                              "  /*003c*/ LOP3.LUT R24, R4, 0x4, R27, 0x1e, !PT ;\n"
+                              "  /*003e*/ IMAD.SHL.U32 R24, R24, 0x8, RZ ;\n"
+                              "  /*0040*/")
+    per_load = per_load.replace("  /*0050*/", "  /*0048*/ LOP3.LUT R26, R3, R24, RZ, 0xfc, !PT ;\n"
+                                "  /*004a*/ LEA R124, R26, UR4, 0x1 ;\n  /*0050*/")
+    assert mma_address_ops(per_load) == 2.0
+    assert mma_address_ops("  /*0010*/ LDSM.16.M88.4 R180, [R199] ;\n") is None  # no mma
+    for kernel in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"):
+        rule = cuda.rule_for(kernel)
+        ok, bad = (Row(kernel=kernel, case="", addr_ops=mma_address_ops(sass), max_addr_ops=rule.max_addr_ops)
+                   for sass in (folded, per_load))
+        assert ok.status == "ok" and bad.status == "FAIL" and "per ldmatrix" in bad.problems[0]
+    assert cuda.rule_for("softmax_fwd_block_kernel").max_addr_ops is None

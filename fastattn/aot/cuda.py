@@ -10,9 +10,11 @@ template argument (``attn_fwd_kernel<T, Cfg, SMEM>``) so that it can be read off
 
 Budgets (:data:`KERNEL_RULES`): 0 bytes of spills for every kernel unless a reason is written
 beside a larger one; the attention kernels (forward, dK/dV, dQ) must use ldmatrix, cp.async and
-mma.sync; the FFN's activation kernels must not use tanh.approx (float32 accuracy).
-``python .ci/compile_cuda.py`` (``make check-cuda``) prints the table and fails on a
-compile error, a spill over budget, a missing instruction or a forbidden one.
+mma.sync, with at most one integer instruction per ldmatrix around their mma (operand addresses
+folded into the loads, not recomputed per load); the FFN's activation kernels must not use
+tanh.approx (float32 accuracy). ``python .ci/compile_cuda.py`` (``make check-cuda``) prints the
+table and fails on a compile error, a spill over budget, a missing instruction or a forbidden
+one, or address arithmetic over its bound.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import shutil
 import subprocess
 import tempfile
 
-from fastattn.aot.report import (Row, parse_ptxas, sass_digest, sass_features, sass_of,
-                                  undefined_uniform_reads)
+from fastattn.aot.report import (Row, mma_address_ops, parse_ptxas, sass_digest, sass_features,
+                                  sass_of, undefined_uniform_reads)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = "sm_90a"
@@ -47,12 +49,16 @@ class KernelRule:
     spill_budget: int = 0             # bytes of spill stores + loads allowed
     required: tuple[str, ...] = ()    # SASS features it must hold
     forbidden: tuple[str, ...] = ()   # SASS features it must not hold
+    max_addr_ops: float | None = None  # integer ops per ldmatrix allowed (report.mma_address_ops)
     reason: str = ""                  # why a budget is not 0
 
 
 #: First match wins; kernels no rule names get budget 0 and no required instruction.
 KERNEL_RULES = (
-    KernelRule(r"^attn_(fwd|bwd_dkdv|bwd_dq)_kernel$", required=("ldmatrix", "cp.async", "mma")),
+    # operand addresses folded into the ldmatrix (cuda_layout.cuh, fragment_offset): 0.2-0.7
+    # integer ops per ldmatrix today, 2.3-3.1 when each load computed its swizzled address
+    KernelRule(r"^attn_(fwd|bwd_dkdv|bwd_dq)_kernel$", required=("ldmatrix", "cp.async", "mma"),
+               max_addr_ops=1.0),
     KernelRule(r"^attn_bwd_delta_kernel$"),
     # float32 FFN gradients must match torch's accuracy: no tanh.approx (ffn.cu, tanh_accurate)
     KernelRule(r"^act_(fwd|bwd)_kernel$", forbidden=("tanh.approx",)),
@@ -164,6 +170,7 @@ def compile_file(source: str, out_dir: str, archs: tuple[str, ...]) -> list[Row]
             smem=res["smem"] + dyn, features=sass_features(sass.get(mangled, "")),
             digest=sass_digest(sass.get(mangled, "")),
             undefined=undefined_uniform_reads(sass.get(mangled, "")),
+            addr_ops=mma_address_ops(sass.get(mangled, "")), max_addr_ops=rule.max_addr_ops,
             spill_budget=rule.spill_budget, required=rule.required, forbidden=rule.forbidden,
             error="" if mangled in sass else "no sm_90a SASS found for this function"))
     return rows

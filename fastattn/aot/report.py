@@ -49,6 +49,8 @@ class Row:
     error: str = ""              # compile error, empty when it compiled
     digest: str = ""             # hash of the SASS instructions: equal digests, same machine code
     undefined: tuple[str, ...] = ()  # uniform registers read before written (a ptxas bug)
+    addr_ops: float | None = None    # integer ops per ldmatrix in the MMA stretches (mma_address_ops)
+    max_addr_ops: float | None = None  # the most of them allowed (None: unchecked)
 
     @property
     def spills(self) -> int:
@@ -73,6 +75,9 @@ class Row:
         held = [f for f in self.forbidden if f in self.features]
         if held:
             found.append(f"SASS holds {', '.join(held)}")
+        if self.max_addr_ops is not None and (self.addr_ops or 0.0) > self.max_addr_ops:
+            found.append(f"{self.addr_ops:.2f} integer ops per ldmatrix in its MMA code, over "
+                         f"{self.max_addr_ops} (addresses recomputed per load)")
         return found
 
     @property
@@ -167,6 +172,43 @@ def sass_features(sass: str) -> tuple[str, ...]:
                          if op == prefix or op.startswith(prefix + ".")}))
 
 
+#: integer opcodes (before the first ".") that compute shared-memory addresses; IMAD.MOV (a copy)
+#: does not count
+_ADDRESS_OPS = {"LOP3", "LEA", "IADD3", "SHF", "IMAD", "VIADD"}
+
+
+def mma_address_ops(sass: str, gap: int = 60, lead: int = 20) -> float | None:
+    """Integer instructions per ldmatrix in the stretches of a kernel's SASS that hold its
+    mma.sync: each run of HMMAs no more than ``gap`` instructions apart, from ``lead``
+    instructions before its first. None without HMMA or LDSM there.
+
+    The attention kernels' operand addresses are a lane part, computed once, plus the 16 x 16
+    block's constant (cuda_layout.cuh, Swizzled::fragment_offset), which ptxas folds into the
+    ldmatrix: 0.2-0.7 integer ops per ldmatrix in every attention kernel (sm_90a, CUDA 13,
+    2026-11-28). Computing the swizzled address per load (chunk_offset at the block's corner
+    plus the lane's row and chunk) had cost 2.3-3.1 (an OR, an XOR, a shift-add each)."""
+    ops = [op for _, _, op, _ in _SASS_INSTR.findall(sass)]
+    base = [op.split(".")[0] for op in ops]
+    mma = [i for i, b in enumerate(base) if b == "HMMA"]
+    if not mma:
+        return None
+    stretches, start, prev = [], mma[0], mma[0]
+    for i in mma[1:]:
+        if i - prev > gap:
+            stretches.append((start, prev))
+            start = i
+        prev = i
+    stretches.append((start, prev))
+    n_int = n_ldsm = 0
+    for a, b in stretches:
+        for i in range(max(0, a - lead), b + 1):
+            if base[i] == "LDSM":
+                n_ldsm += 1
+            elif base[i] in _ADDRESS_OPS and not ops[i].startswith("IMAD.MOV"):
+                n_int += 1
+    return n_int / n_ldsm if n_ldsm else None
+
+
 #: opcodes (before the first ".") whose first operand, even a bare URn, is read: the others write
 #: a bare URn in first place (stores and copies name memory there, compares a predicate)
 _READS_FIRST = {"HGMMA", "UTMALDG", "UTMASTG", "UTMAPF", "UBLKCP", "ST", "STS", "STG", "STL",
@@ -231,6 +273,8 @@ def print_table(rows: list[Row], title: str = "") -> None:
     for r in rows:
         spill = f"{r.spill_stores}/{r.spill_loads}"
         note = ", ".join(r.problems) or " ".join(r.features)
+        if r.addr_ops is not None and not r.problems:
+            note += f" addr/ldsm {r.addr_ops:.2f}"
         print(f"{r.kernel[:34]:34} {r.case[:38]:38} {r.config[:26]:26} "
               f"{'' if r.regs is None else r.regs:>4} {spill:>12} {r.smem:>7} {r.status:6} {note}")
     print(summary(rows))
