@@ -61,8 +61,8 @@
 //     accumulating dV += (P Z)^T dO and dK += dS^T Q: in registers for DP <= 128, in float32
 //     shared memory for DP = 256 (each element owned by one lane: no races, no atomics; float2
 //     read-modify-writes, conflict free), so no DP spills;
-//   * dQ: one CTA per (BM queries, b, h), looping over the band's key tiles; dQ += dS K with
-//     shared float32 accumulators. When need_dmask, it writes dS (float32) for every visited
+//   * dQ: one CTA per (BM queries, b, h), looping over the band's key tiles; dQ += dS K in
+//     registers at DP = 128, in shared float32 accumulators at DP = 64 and 256. When need_dmask, it writes dS (float32) for every visited
 //     (i, j) of dmask; dmask is zero-initialised, which covers the tiles outside the band.
 //   Backward tiles come by cp.async, double-buffered: the dQ kernel's K / V tiles like the
 //   forward's, the dK/dV kernel's Q / dO blocks (with their lse / delta) one block ahead.
@@ -466,7 +466,13 @@ struct BwdQCfg {
   static constexpr int DP = DP_, BM = BM_, BN = BN_, NWARPS = BM / 16, NTHREADS = 32 * NWARPS;
   static constexpr int MIN_CTAS = MIN_CTAS_;  // __launch_bounds__' CTAs per SM (see Configs)
   static constexpr int STAGES = 2;  // K / V double buffer, as in the forward
-  static constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP, ACC_ELEMS = BM * AccTile<DP>::LD;
+  // dQ accumulates in registers at DP = 128 (64 floats a lane): that frees the 34 KiB float32
+  // tile, so two CTAs fit an SM where one did (and sm_86 / sm_89's 99 KiB take the kernel). At
+  // DP = 64 three CTAs an SM with the shared tile beat two with it in registers (launch bounds
+  // cap those at 170 registers); at DP = 256 it would be 128 floats a lane.
+  static constexpr bool ACC_IN_REGS = DP == 128;
+  static constexpr int Q_ELEMS = BM * DP, KV_ELEMS = BN * DP;
+  static constexpr int ACC_ELEMS = ACC_IN_REGS ? 0 : BM * AccTile<DP>::LD;
   static constexpr int SMEM = (2 * Q_ELEMS + STAGES * 2 * KV_ELEMS) * 2 + ACC_ELEMS * 4;
   static_assert(DP % 64 == 0 && BN % 16 == 0 && BM % 16 == 0, "swizzled rows, 16-deep mma");
   static_assert(SMEM <= kSm80SmemOptin, "dQ tile does not fit in sm_80 shared memory");
@@ -475,7 +481,7 @@ struct BwdQCfg {
 // THE heuristics table: tile shapes and warps per padded head dim (queries x keys).
 //   DP   forward (BM x BN, warps, Q)      dK/dV (BN keys x BM queries)   dQ (BM x BN)
 //   64   128 x 64, 8 warps, Q in regs     64 x 64, 4 warps, dK/dV regs   64 x 64, 4 warps
-//   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps, dK/dV regs   64 x 64, 4 warps
+//   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps, dK/dV regs   64 x 64, 4 warps, dQ regs
 //   256   64 x 32, 4 warps, Q in smem     32 x 32, 2 warps, dK/dV smem   32 x 32, 2 warps
 // Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 146 / 200 / 240 per lane, see
 // `make check-cuda`) leave one CTA per SM: 8 / 8 / 4 warps. Registers decide DP = 256: O alone is
@@ -1311,6 +1317,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
   const KeyTiles tiles = key_tiles(p, m0, BM, BN);
   if (tiles.num > 0) load_kv_async<Cfg>(sKV, 0, p, k_base, v_base, tiles.first);
   cp_async_commit();
+  // dQ of this lane's rows (w.row[0], w.row[1]) and columns nd * 8 + 2t, +1, at DP = 128.
+  float acc_dq[Cfg::ACC_IN_REGS ? DP / 8 : 1][4] = {};
   // The first wait also covers Q / dO, and its barrier sdQ's zero fill.
   for_each_key_tile<Cfg>(p, tiles, sKV, k_base, v_base, [&](int n0, const uint16_t* sK,
                                                             const uint16_t* sV) {
@@ -1359,6 +1367,14 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
     for (int ks = 0; ks < BN / 16; ++ks) acc_to_a<M16>(a_ds[ks], s, ks);
 #pragma unroll
     for (int dq = 0; dq < DP / 16; ++dq) {
+      if constexpr (Cfg::ACC_IN_REGS) {
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks) {
+          mma_block<M16, DP, false>(acc_dq[2 * dq], acc_dq[2 * dq + 1], a_ds[ks], sK, ks * 16,
+                                    dq * 16, lane);
+        }
+        continue;
+      }
       float c[2][4] = {};
 #pragma unroll
       for (int ks = 0; ks < BN / 16; ++ks) {
@@ -1378,13 +1394,39 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
   __syncthreads();     // every lane's dQ accumulators (or the zero fill) complete
   uint16_t* dq = p.dq + bh * p.Lq * p.D;
   float probe = 0.f;  // the sum of what this thread writes: NaN if any of it is NaN
-  for (int idx = threadIdx.x; idx < BM * DP; idx += NT) {
-    const int r = idx / DP, c = idx % DP;
-    const int i = m0 + r;
-    if (i < p.Lq && c < p.D) {
-      const float g = sdQ[A::offset(r, c)] * p.scale;
-      dq[int64_t{i} * p.D + c] = M16::from_float(g);
-      probe += g;
+  if constexpr (Cfg::ACC_IN_REGS) {
+#pragma unroll
+    for (int nd = 0; nd < DP / 8; ++nd) {
+      const int c = nd * 8 + 2 * t;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = i_row[r];
+        if (i >= p.Lq || c >= p.D) continue;
+        const float g0 = acc_dq[nd][2 * r] * p.scale, g1 = acc_dq[nd][2 * r + 1] * p.scale;
+        uint16_t* out = dq + int64_t{i} * p.D + c;
+        if (c + 1 < p.D) {
+          if (p.D % 2 == 0) {  // (i * D + c even: a 4-byte aligned pair)
+            *reinterpret_cast<uint32_t*>(out) = M16::pack(g0, g1);
+          } else {
+            out[0] = M16::from_float(g0);
+            out[1] = M16::from_float(g1);
+          }
+          probe += g0 + g1;
+        } else {
+          out[0] = M16::from_float(g0);
+          probe += g0;
+        }
+      }
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < BM * DP; idx += NT) {
+      const int r = idx / DP, c = idx % DP;
+      const int i = m0 + r;
+      if (i < p.Lq && c < p.D) {
+        const float g = sdQ[A::offset(r, c)] * p.scale;
+        dq[int64_t{i} * p.D + c] = M16::from_float(g);
+        probe += g;
+      }
     }
   }
   // The NaN rule: a NaN in the CTA's dQ is an attended non-finite value or a leak (a leaked dS
