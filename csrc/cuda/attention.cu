@@ -1099,9 +1099,11 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   // Block it's Q / dO copies into stage it % 2 (issued, not committed), and its lse / delta
   // (thread r < BM: row r) into registers; stash_stats moves those into the stage. The loads
   // are issued a whole block's compute before their use, so their latency is hidden.
+  // Block it is (gi, bi) = (it / per_head, it % per_head), stepped rather than divided (a
+  // division by a runtime value is ~35 instructions; two a block were ~10% of the loop's).
   float lse_next = -INFINITY, delta_next = 0.f;
-  auto fetch_block = [&](int it) {
-    const int h = hk * p.group + it / per_head, m0 = m_first + (it % per_head) * BM;
+  auto fetch_block = [&](int it, int gi, int bi) {
+    const int h = hk * p.group + gi, m0 = m_first + bi * BM;
     uint16_t* s = sQdO + (it & 1) * 2 * Cfg::Q_ELEMS;
     load_tile_async<BM, DP, NT>(s, p.q + b * p.q_sb + h * p.q_sh, p.q_sl, m0, p.Lq, p.D, p.vec_q);
     load_tile_async<BM, DP, NT>(s + Cfg::Q_ELEMS, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0,
@@ -1125,19 +1127,21 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   };
   // Groups: K / V (committed above), then block 0 (empty when there is none).
   if (num_blocks > 0) {
-    fetch_block(0);
+    fetch_block(0, 0, 0);
     stash_stats(0);  // ordered before its readers by iteration 0's first barrier
   }
   cp_async_commit();
+  int gi = 0, bi = 0;                                   // block it
+  int gi_next = per_head > 1 ? 0 : 1, bi_next = per_head > 1 ? 1 : 0;  // block it + 1
   for (int it = 0; it < num_blocks; ++it) {
     // Prefetch block it + 1 into the other stage: its last reader, block it - 1, passed the
     // barrier that ends iteration it - 1.
-    if (it + 1 < num_blocks) fetch_block(it + 1);
+    if (it + 1 < num_blocks) fetch_block(it + 1, gi_next, bi_next);
     cp_async_commit();
     cp_async_wait<1>();  // everything but the prefetch: block it (and K / V) landed here ...
     __syncthreads();     // ... and in every thread, and its stats are stashed
     {
-      const int gi = it / per_head, m0 = m_first + (it % per_head) * BM;
+      const int m0 = m_first + bi * BM;
       const int h = hk * p.group + gi;
       const int64_t mask_base = b * p.m_sb + h * p.m_sh;
       const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
@@ -1226,6 +1230,12 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
       }
     }
     if (it + 1 < num_blocks) stash_stats(it + 1);  // that stage's last reader was block it - 1
+    gi = gi_next;
+    bi = bi_next;
+    if (++bi_next == per_head) {
+      bi_next = 0;
+      ++gi_next;
+    }
     __syncthreads();  // block it's stage is no longer read: iteration it + 1 may refill it
   }
   cp_async_wait<0>();  // K / V landed even when no query block was visited
