@@ -110,8 +110,6 @@ def hf_attention_forward(
             mask = position_bias.masked_fill(~mask, float("-inf"))
         else:
             mask = position_bias + mask
-    if mask is not None and mask.is_floating_point() and mask.dtype not in (query.dtype, torch.float32):
-        mask = mask.to(query.dtype)  # (a float32 mask or bias stays float32, as torch's sdpa adds it)
     out = attention(
         query, key, value, mask, causal=causal, scale=scaling, dropout_p=float(dropout),
         enable_gqa=key.shape[1] != query.shape[1], backend=backend,

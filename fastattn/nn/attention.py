@@ -216,9 +216,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             if extra:
                 attn_mask = torch.ones(L, S - extra, dtype=torch.bool, device=q.device).triu(1)
                 causal = False
+        # (a float mask of any dtype goes as it is: attention adds it in float32 or better)
         mask = merge_mha_masks(attn_mask, key_padding_mask, N, H, L, S, extra)
-        if mask is not None and mask.is_floating_point() and mask.dtype not in (q.dtype, torch.float32):
-            mask = mask.to(q.dtype)  # (a float32 mask stays float32 with 16-bit q, k, v: added in float32)
 
         q, k, v = (t.unflatten(-1, (H, D)).transpose(1, 2) for t in (q, k, v))  # (N, H, len, D)
         dropout_p = float(self.dropout) if self.training else 0.0
