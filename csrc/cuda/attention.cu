@@ -62,8 +62,9 @@
 //     shared memory for DP = 256 (each element owned by one lane: no races, no atomics; float2
 //     read-modify-writes, conflict free), so no DP spills;
 //   * dQ: one CTA per (BM queries, b, h), looping over the band's key tiles; dQ += dS K in
-//     registers at DP = 128, in shared float32 accumulators at DP = 64 and 256. When need_dmask, it writes dS (float32) for every visited
-//     (i, j) of dmask; dmask is zero-initialised, which covers the tiles outside the band.
+//     registers at DP = 128, in shared float32 accumulators at DP = 64 and 256. When
+//     need_dmask, it writes dS (float32) for every visited (i, j) of dmask; dmask is
+//     zero-initialised, which covers the tiles outside the band.
 //   Backward tiles come by cp.async, double-buffered: the dQ kernel's K / V tiles like the
 //   forward's, the dK/dV kernel's Q / dO blocks (with their lse / delta) one block ahead.
 // Shared memory per CTA is computed from the template parameters (Cfg::SMEM), static_asserted to
@@ -224,29 +225,33 @@ __device__ __forceinline__ void load_tile_async(uint16_t* __restrict__ s,
   }
 }
 
-// Operand loads from a swizzled tile with row length DP (cuda_layout.cuh, section 3). The
-// addresses split into the lane's part and the corner's (Swizzled::fragment_offset): r0, k0, n0
-// are multiples of 16 at every call.
+// Operand loads from a swizzled tile with row length DP (cuda_layout.cuh, section 3).
+// The address of the lane that reads row lr, chunk lc of the 16 x 16 block at (r0, chunk c0): its
+// lane part and the block's constant (Swizzled::fragment_offset; r0, k0, n0 are multiples of 16
+// at every call), which ptxas folds into the ldmatrix.
+template <int DP>
+__device__ __forceinline__ const uint16_t* operand_at(const uint16_t* tile, int lr, int lc, int r0,
+                                                      int c0) {
+  using L = Swizzled<DP>;
+  return tile + L::fragment_offset(L::lane_offset(lr, lc), r0, c0);
+}
 // A fragment of rows [r0, r0 + 16) x k [k0, k0 + 16).
 template <int DP>
 __device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const uint16_t* tile, int r0, int k0,
                                        int lane) {
-  using L = Swizzled<DP>;
-  ldsm_x4(a, tile + L::fragment_offset(L::lane_offset(ldsm_a_row(lane), ldsm_a_chunk(lane)), r0, k0 / 8));
+  ldsm_x4(a, operand_at<DP>(tile, ldsm_a_row(lane), ldsm_a_chunk(lane), r0, k0 / 8));
 }
 // B = X^T (B[k][n] = X[n0 + n][k0 + k]) for the two n-tiles n0, n0 + 8: b[0..1], b[2..3].
 template <int DP>
 __device__ __forceinline__ void ldsm_b(uint32_t (&b)[4], const uint16_t* tile, int n0, int k0,
                                        int lane) {
-  using L = Swizzled<DP>;
-  ldsm_x4(b, tile + L::fragment_offset(L::lane_offset(ldsm_b_row(lane), ldsm_b_chunk(lane)), n0, k0 / 8));
+  ldsm_x4(b, operand_at<DP>(tile, ldsm_b_row(lane), ldsm_b_chunk(lane), n0, k0 / 8));
 }
 // B = X (B[k][n] = X[k0 + k][n0 + n]) for the two n-tiles n0, n0 + 8: b[0..1], b[2..3].
 template <int DP>
 __device__ __forceinline__ void ldsm_bt(uint32_t (&b)[4], const uint16_t* tile, int k0, int n0,
                                         int lane) {
-  using L = Swizzled<DP>;
-  ldsm_x4_trans(b, tile + L::fragment_offset(L::lane_offset(ldsm_a_row(lane), ldsm_a_chunk(lane)), k0, n0 / 8));
+  ldsm_x4_trans(b, operand_at<DP>(tile, ldsm_a_row(lane), ldsm_a_chunk(lane), k0, n0 / 8));
 }
 
 // The A fragment of k-step ks made of the accumulators of n-tiles 2 ks and 2 ks + 1 (P reuse).
@@ -483,7 +488,7 @@ struct BwdQCfg {
 //   64   128 x 64, 8 warps, Q in regs     64 x 64, 4 warps, dK/dV regs   64 x 64, 4 warps
 //   128  128 x 64, 8 warps, Q in regs     64 x 32, 4 warps, dK/dV regs   64 x 64, 4 warps, dQ regs
 //   256   64 x 32, 4 warps, Q in smem     32 x 32, 2 warps, dK/dV smem   32 x 32, 2 warps
-// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 146 / 200 / 240 per lane, see
+// Forward shared memory: 48 / 96 / 96 KiB; registers (sm_90a: 165 / 215 / 238 per lane, see
 // `make check-cuda`) leave one CTA per SM: 8 / 8 / 4 warps. Registers decide DP = 256: O alone is
 // 128 floats per lane, so Q stays in shared memory there. dQ at DP = 64 (66 KiB) fits three CTAs
 // in an sm_90 SM's shared memory; its launch bounds ask for three, which keeps it at <= 168
@@ -1056,6 +1061,21 @@ __device__ __forceinline__ void acc_add2(float* acc, int row, int col, float x, 
   *q = v;
 }
 
+// Calls f(whole, plain) with compile-time flags for a warp's tile (warp-uniform arguments):
+// whole tiles (tile_whole) skip the per-element bounds / band / mask tests, and plain ones (no
+// dropout, no dmask) the per-element dropout and dmask work too; other tiles take the general
+// path. The backward kernels' dS loops are written once for the three.
+template <typename F>
+__device__ __forceinline__ void by_tile_kind(bool whole, bool plain, F&& f) {
+  if (!whole) {
+    f(std::false_type{}, std::false_type{});
+  } else if (plain) {
+    f(std::true_type{}, std::true_type{});
+  } else {
+    f(std::true_type{}, std::false_type{});
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward 2/3: dK and dV, one CTA per (BN keys, b, kv head).
 
@@ -1131,8 +1151,14 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
     stash_stats(0);  // ordered before its readers by iteration 0's first barrier
   }
   cp_async_commit();
-  int gi = 0, bi = 0;                                   // block it
-  int gi_next = per_head > 1 ? 0 : 1, bi_next = per_head > 1 ? 1 : 0;  // block it + 1
+  auto step = [&](int& g, int& blk) {  // (g, blk) <- the block after it
+    if (++blk == per_head) {
+      blk = 0;
+      ++g;
+    }
+  };
+  int gi = 0, bi = 0, gi_next = 0, bi_next = 0;  // blocks it and it + 1
+  step(gi_next, bi_next);
   for (int it = 0; it < num_blocks; ++it) {
     // Prefetch block it + 1 into the other stage: its last reader, block it - 1, passed the
     // barrier that ends iteration it - 1.
@@ -1172,8 +1198,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
               const float s2 = decltype(whole)::value ? st[nt][e] * p.scale_log2
                                                       : score_log2(p, st[nt][e], mask_off);
               const float pr = exp2f(s2 - lse2);
-              const float z = decltype(plain)::value ? 1.f
-                                                     : dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
+              const float z = decltype(plain)::value
+                                  ? 1.f
+                                  : dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
               pz = pr * z;
               ds = pr * (dpt[nt][e] * z - sDelta[qc]);
             }
@@ -1182,15 +1209,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
           }
         }
       };
-      if (tile_whole(p, m0, BM, n0 + wrow, 16)) {  // warp-uniform
-        if (!p.dropout) {
-          to_grads(std::true_type{}, std::true_type{});
-        } else {
-          to_grads(std::true_type{}, std::false_type{});
-        }
-      } else {
-        to_grads(std::false_type{}, std::false_type{});
-      }
+      by_tile_kind(tile_whole(p, m0, BM, n0 + wrow, 16), !p.dropout, to_grads);
       // A fragments (rows = keys, k = queries) of P^T Z and dS^T.
       uint32_t a_p[BM / 16][4], a_ds[BM / 16][4];
 #pragma unroll
@@ -1232,10 +1251,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
     if (it + 1 < num_blocks) stash_stats(it + 1);  // that stage's last reader was block it - 1
     gi = gi_next;
     bi = bi_next;
-    if (++bi_next == per_head) {
-      bi_next = 0;
-      ++gi_next;
-    }
+    step(gi_next, bi_next);
     __syncthreads();  // block it's stage is no longer read: iteration it + 1 may refill it
   }
   cp_async_wait<0>();  // K / V landed even when no query block was visited
@@ -1362,15 +1378,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
         }
       }
     };
-    if (tile_whole(p, m0 + wrow, 16, n0, BN)) {  // warp-uniform
-      if (!p.dropout && dmask_rows == nullptr) {
-        to_ds(std::true_type{}, std::true_type{});
-      } else {
-        to_ds(std::true_type{}, std::false_type{});
-      }
-    } else {
-      to_ds(std::false_type{}, std::false_type{});
-    }
+    by_tile_kind(tile_whole(p, m0 + wrow, 16, n0, BN), !p.dropout && dmask_rows == nullptr, to_ds);
     // dQ += dS K: A = dS (rows = queries, k = keys), B = K (k = key, n = dim) via .trans.
     uint32_t a_ds[BN / 16][4];
 #pragma unroll
@@ -1411,20 +1419,14 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = i_row[r];
-        if (i >= p.Lq || c >= p.D) continue;
-        const float g0 = acc_dq[nd][2 * r] * p.scale, g1 = acc_dq[nd][2 * r + 1] * p.scale;
-        uint16_t* out = dq + int64_t{i} * p.D + c;
-        if (c + 1 < p.D) {
-          if (p.D % 2 == 0) {  // (i * D + c even: a 4-byte aligned pair)
-            *reinterpret_cast<uint32_t*>(out) = M16::pack(g0, g1);
-          } else {
-            out[0] = M16::from_float(g0);
-            out[1] = M16::from_float(g1);
+        if (i >= p.Lq) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (c + e < p.D) {
+            const float g = acc_dq[nd][2 * r + e] * p.scale;
+            dq[int64_t{i} * p.D + c + e] = M16::from_float(g);
+            probe += g;
           }
-          probe += g0 + g1;
-        } else {
-          out[0] = M16::from_float(g0);
-          probe += g0;
         }
       }
     }
