@@ -540,8 +540,8 @@ void dq_dispatch(const BwdArgs<A>& p, std::atomic<int64_t>& next) {
 // bench's plain forwards read 0.78-0.95x torch); not on AMD CPUs: on Zen 2 and Zen 4 ours is
 // 7-15% faster, and on Zen 3 (EPYC, AVX2), where torch's kernel was taken in sessions 27-28,
 // ours with 256-row blocks and head-major tasks reads 1.01-1.22x this path at L 256-4096, D 64
-// and 128, float32 and bfloat16, but 0.93-1.01 at L 1024 D 128 (bench/results/cpu-notes.md,
-// sessions 17, 19, 27 and 29).
+// and 128, float32 and bfloat16, and 0.99-1.00 at L 1024 D 128, where both run at the two cores'
+// FMA peak (bench/results/cpu-notes.md, sessions 17, 19, 27, 29 and 30).
 // FASTATTN_CPU_TORCH_ATTENTION=0 / 1 turns it off / on whatever the CPU (read on every call); the
 // first call that takes it is logged (INFO).
 

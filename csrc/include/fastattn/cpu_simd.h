@@ -88,7 +88,6 @@ inline bool intel_cpu() {
 #endif
 }
 
-
 // The ISA the kernels use in this process (detected once).
 inline Isa cpu_isa() {
   static const Isa isa = detect_isa();
