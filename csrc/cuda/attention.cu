@@ -77,7 +77,10 @@
 // overwrites the buffer) --; every cp.async group is waited for before the CTA exits. The
 // forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp; a warp's
 // ldmatrix reads of Q, once or per key tile, touch only its own rows). Every shared and global
-// access is bounds-checked or covered by a static_assert on the tile shapes.
+// access is bounds-checked or covered by a static_assert on the tile shapes. CI runs these
+// kernels on the host emulator (cuda_emulator.h, tests/test_cuda_emulated.py), whose race check
+// sees ldmatrix, cp.async and the plain shared accesses -- so every plain one goes through
+// st_shared / ld_shared (cuda_mma.cuh); a raw pointer access to shared memory escapes it.
 //
 // NaN rule (docs/numerics.md): a non-finite value a row attends reaches it as IEEE arithmetic
 // says; one held only at pairs the row does not attend never does. The tile loops above do not
@@ -87,8 +90,8 @@
 // each checks that once (a sum of its accumulators / outputs, then one vote) and, only if it is
 // NaN, recomputes its rows (keys) on a careful scalar path over the attended pairs only (see
 // "The NaN rule" below). Inputs without NaN pay one add per output element and the vote.
-// UNVERIFIED ON A GPU: the careful paths compile (make check-cuda) but no GPU has run them yet;
-// tests/test_nan.py's cuda cases are the check.
+// The careful paths passed tests/test_nan.py's cuda cases on an H100 (2026-11-27,
+// bench/results/gpu-notes.md) and run in every CI on the host emulator (test_cuda_emulated.py).
 //
 // Limits: Lq, Lk <= 2^29; head dims <= 256; H a multiple of Hkv; q / k / v / dout with a unit
 // last stride (any other strides; 16-byte cp.async when the base and strides allow it, element
@@ -96,8 +99,6 @@
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -217,10 +218,10 @@ __device__ __forceinline__ void load_tile_async(uint16_t* __restrict__ s,
           const uint32_t hi = col + 2 * e + 1 < n_cols ? src[2 * e + 1] : 0u;
           w[e] = lo | (hi << 16);
         }
-        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        st_shared(dst, make_uint4(w[0], w[1], w[2], w[3]));
       }
     } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+      st_shared(dst, make_uint4(0u, 0u, 0u, 0u));
     }
   }
 }
@@ -782,7 +783,7 @@ __device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int 
   static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");  \
   using M16 = Mma16<T>;                                                                      \
   constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;                \
-  extern __shared__ __align__(16) unsigned char smem_raw[]
+  FASTATTN_DYNAMIC_SMEM(smem_raw)
 
 // ---------------------------------------------------------------------------------------------
 // Forward. SMEM_BYTES == Cfg::SMEM: it is a template argument so that the symbol carries the
@@ -1005,8 +1006,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
     for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        *reinterpret_cast<uint32_t*>(sQ + L::offset(cta.w.row[r] + 16 * mt, dt * 8 + 2 * t)) =
-            M16::pack(o[mt][dt][2 * r] * inv[mt][r], o[mt][dt][2 * r + 1] * inv[mt][r]);
+        st_shared(sQ + L::offset(cta.w.row[r] + 16 * mt, dt * 8 + 2 * t),
+                  M16::pack(o[mt][dt][2 * r] * inv[mt][r], o[mt][dt][2 * r + 1] * inv[mt][r]));
       }
     }
   }
@@ -1016,7 +1017,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
     const int row = idx / L::CHUNKS, ch = idx % L::CHUNKS;
     const int i = m0 + wrow + row, col = ch * 8;
     if (i >= p.Lq || col >= p.Dv) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(sQ + L::chunk_offset(wrow + row, ch));
+    const uint4 v = ld_shared<uint4>(sQ + L::chunk_offset(wrow + row, ch));
     uint16_t* dst = p.out + (bh * p.Lq + i) * p.Dv + col;
     if (vec_out) {
       *reinterpret_cast<uint4*>(dst) = v;
@@ -1054,11 +1055,11 @@ __global__ void __launch_bounds__(128) attn_bwd_delta_kernel(const AttnParams p)
 // acc[row][col .. col + 1] += (x, y) as one float2 (cuda_layout.cuh, section 4).
 template <int DP>
 __device__ __forceinline__ void acc_add2(float* acc, int row, int col, float x, float y) {
-  float2* q = reinterpret_cast<float2*>(acc + AccTile<DP>::offset(row, col));
-  float2 v = *q;
+  float* q = acc + AccTile<DP>::offset(row, col);
+  float2 v = ld_shared<float2>(q);
   v.x += x;
   v.y += y;
-  *q = v;
+  st_shared(q, v);
 }
 
 // Calls f(whole, plain) with compile-time flags for a warp's tile (warp-uniform arguments):
@@ -1105,7 +1106,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   load_tile_async<BN, DP, NT>(sK, p.k + b * p.k_sb + hk * p.k_sh, p.k_sl, n0, p.Lk, p.D, p.vec_k);
   load_tile_async<BN, DP, NT>(sV, p.v + b * p.v_sb + hk * p.v_sh, p.v_sl, n0, p.Lk, p.Dv, p.vec_v);
   cp_async_commit();
-  for (int i = threadIdx.x; i < 2 * Cfg::ACC_ELEMS; i += NT) sdK[i] = 0.f;  // sdK, sdV adjacent
+  for (int i = threadIdx.x; i < 2 * Cfg::ACC_ELEMS; i += NT) st_shared(sdK + i, 0.f);  // sdK, sdV adjacent
   constexpr int NACC = Cfg::ACC_IN_REGS ? DP / 8 : 1;
   float acc_dk[NACC][4] = {}, acc_dv[NACC][4] = {};  // ACC_IN_REGS: C fragments, keys x dims
 
@@ -1141,8 +1142,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   auto stash_stats = [&](int it) {
     if (threadIdx.x < BM) {
       float* st = sStats + (it & 1) * 2 * BM;
-      st[threadIdx.x] = lse_next;
-      st[BM + threadIdx.x] = delta_next;
+      st_shared(st + threadIdx.x, lse_next);
+      st_shared(st + BM + threadIdx.x, delta_next);
     }
   };
   // Groups: K / V (committed above), then block 0 (empty when there is none).
@@ -1191,7 +1192,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
             const int j = j_row[e >> 1];
             const int qc = nt * 8 + 2 * t + (e & 1);
             const int i = m0 + qc;
-            const float lse2 = sLse[qc];
+            const float lse2 = ld_shared<float>(sLse + qc);
             float pz = 0.f, ds = 0.f;
             if (decltype(whole)::value || (visible(p, i, j) && lse2 != -INFINITY)) {
               const int64_t mask_off = mask_base + int64_t{i} * p.m_sl + int64_t{j} * p.m_sk;
@@ -1202,7 +1203,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
                                   ? 1.f
                                   : dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
               pz = pr * z;
-              ds = pr * (dpt[nt][e] * z - sDelta[qc]);
+              ds = pr * (dpt[nt][e] * z - ld_shared<float>(sDelta + qc));
             }
             st[nt][e] = pz;
             dpt[nt][e] = ds;
@@ -1282,7 +1283,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
       const int r = idx / DP, c = idx % DP;
       const int j = n0 + r;
       if (j >= p.Lk) continue;
-      const float gk = sdK[A::offset(r, c)] * p.scale, gv = sdV[A::offset(r, c)];
+      const float gk = ld_shared<float>(sdK + A::offset(r, c)) * p.scale,
+                  gv = ld_shared<float>(sdV + A::offset(r, c));
       if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(gk);
       if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(gv);
       probe += (c < p.D ? gk : 0.f) + (c < p.Dv ? gv : 0.f);
@@ -1321,7 +1323,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
   load_tile_async<BM, DP, NT>(sdO, p.dout + b * p.do_sb + h * p.do_sh, p.do_sl, m0, p.Lq, p.Dv,
                               p.vec_do);
   cp_async_commit();
-  for (int i = threadIdx.x; i < Cfg::ACC_ELEMS; i += NT) sdQ[i] = 0.f;
+  for (int i = threadIdx.x; i < Cfg::ACC_ELEMS; i += NT) st_shared(sdQ + i, 0.f);
   const uint16_t* k_base = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* v_base = p.v + b * p.v_sb + hk * p.v_sh;
 
@@ -1435,7 +1437,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
       const int r = idx / DP, c = idx % DP;
       const int i = m0 + r;
       if (i < p.Lq && c < p.D) {
-        const float g = sdQ[A::offset(r, c)] * p.scale;
+        const float g = ld_shared<float>(sdQ + A::offset(r, c)) * p.scale;
         dq[int64_t{i} * p.D + c] = M16::from_float(g);
         probe += g;
       }
@@ -1475,9 +1477,7 @@ void launch(Kernel kernel, int64_t blocks, int threads, int smem, const AttnPara
   const int limit = max_smem_optin(device);
   TORCH_CHECK(smem <= limit, what, " needs ", smem, " bytes of shared memory per block but this ",
               "GPU allows ", limit, "; use a smaller head dim or backend=\"triton\"");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, static_cast<unsigned>(blocks), threads, smem, stream, p);
 }
 
 void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
@@ -1590,8 +1590,7 @@ void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
   using Q = typename Configs<DP>::Q;
   const int64_t rows = int64_t{p.B} * p.H * p.Lq;
   if (rows > 0) {
-    attn_bwd_delta_kernel<T><<<grid_1d(ceil_div(rows, 4)), 128, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(attn_bwd_delta_kernel<T>, grid_1d(ceil_div(rows, 4)), 128, 0, stream, p);
   }
   launch(attn_bwd_dkdv_kernel<T, KV, KV::SMEM>, ceil_div(p.Lk, KV::BN) * p.B * p.Hkv, KV::NTHREADS,
          KV::SMEM, p, device, stream, "attention_bwd (dK/dV)");
@@ -1604,7 +1603,7 @@ void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
 template <bool kBwd>
 void run(const AttnParams& p, const at::Tensor& q) {
   const int device = q.device().index();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const cudaStream_t stream = current_stream(device);
   auto with_bucket = [&](auto tag) {
     using T = decltype(tag);
     with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
@@ -1630,7 +1629,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
                                                       int64_t right, double dropout_p,
                                                       int64_t seed) {
   AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   at::Tensor out = at::empty({p.B, p.H, p.Lq, p.Dv}, q.options());
   at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   if (lse.numel() == 0) return {out, lse};
@@ -1657,7 +1656,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   check_dtype(lse, at::kFloat, "lse");
   check_contiguous(lse, "lse");
 
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   at::Tensor dq = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
   at::Tensor dk = at::empty({p.B, p.Hkv, p.Lk, p.D}, q.options());
   at::Tensor dv = at::empty({p.B, p.Hkv, p.Lk, p.Dv}, q.options());

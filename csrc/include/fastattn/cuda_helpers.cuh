@@ -32,7 +32,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+#ifndef FASTATTN_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -44,6 +48,10 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+
+#ifdef FASTATTN_CUDA_EMULATE
+#include "fastattn/cuda_emulator.h"  // the host build that runs the kernels in CI (no GPU)
+#endif
 
 namespace fastattn {
 namespace cuda_helpers {
@@ -236,6 +244,7 @@ __device__ __forceinline__ float mask_additive(const void* base, MaskKind kind, 
 // -------------------------------------------------------------------------------------------
 // Host: checks, device limits and launch sizes.
 
+#ifndef FASTATTN_CUDA_EMULATE
 inline void check_cuda_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device(), " (shape ",
               t.sizes(), ")");
@@ -248,6 +257,43 @@ inline int max_smem_optin(int device) {
   return n;
 }
 
+// Makes the tensor's device current for the op's scope.
+using DeviceGuard = c10::cuda::CUDAGuard;
+
+// The stream the op's kernels run on.
+inline cudaStream_t current_stream(int device) {
+  return c10::cuda::getCurrentCUDAStream(device).stream();
+}
+
+// kernel<<<blocks, threads, smem, stream>>>(args...), opting in to `smem` bytes of dynamic
+// shared memory first (needed above the default 48 KiB).
+template <typename... KArgs, typename... Args>
+void launch_kernel(void (*kernel)(KArgs...), unsigned blocks, int threads, int smem,
+                   cudaStream_t stream, const Args&... args) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<blocks, threads, smem, stream>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#else
+// The emulated build (cuda_emulator.h): the "device" is the CPU, H100 limits, launches run on
+// the host.
+inline void check_cuda_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cpu(), name, " must be a CPU tensor for the emulated CUDA kernels, got device ",
+              t.device(), " (shape ", t.sizes(), ")");
+}
+inline int max_smem_optin(int) { return ::fastattn::emulator::kSmemOptin; }
+struct DeviceGuard {
+  explicit DeviceGuard(c10::Device) {}
+};
+inline cudaStream_t current_stream(int) { return nullptr; }
+template <typename... KArgs, typename... Args>
+void launch_kernel(void (*kernel)(KArgs...), unsigned blocks, int threads, int smem, cudaStream_t,
+                   const Args&... args) {
+  ::fastattn::emulator::launch(kernel, blocks, static_cast<unsigned>(threads),
+                               static_cast<size_t>(smem), args...);
+}
+#endif
+
 // A 1-D grid of `blocks` blocks, at least 1 and at most kMaxGridX: kernels launched with it either
 // loop over their work with a grid-stride loop or never need more than kMaxGridX blocks.
 inline unsigned grid_1d(int64_t blocks) {
@@ -258,11 +304,23 @@ inline unsigned grid_1d(int64_t blocks) {
 }  // namespace cuda_helpers
 }  // namespace fastattn
 
+// The block's dynamic shared memory as `unsigned char NAME[]`, 16-byte aligned.
+#ifndef FASTATTN_CUDA_EMULATE
+#define FASTATTN_DYNAMIC_SMEM(NAME) extern __shared__ __align__(16) unsigned char NAME[]
+#else
+#define FASTATTN_DYNAMIC_SMEM(NAME) unsigned char* const NAME = ::fastattn::emulator::block().smem_base
+#endif
+
 // Registers cuda::NAME_fwd_cuda and cuda::NAME_bwd_cuda (defined in the including file, inside
 // namespace fastattn) as the CUDA kernels of the schemas NAME_fwd and NAME_bwd of
-// csrc/fastattn.cpp. Used at namespace fastattn scope, once per op.
+// csrc/fastattn.cpp. Used at namespace fastattn scope, once per op. The emulated build registers
+// nothing: its module (fastattn/aot/emulate.py) binds the functions itself.
+#ifndef FASTATTN_CUDA_EMULATE
 #define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)             \
   TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {             \
     m.impl(#NAME "_fwd", &cuda::NAME##_fwd_cuda);     \
     m.impl(#NAME "_bwd", &cuda::NAME##_bwd_cuda);     \
   }
+#else
+#define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)
+#endif

@@ -61,6 +61,9 @@ struct Mma16 {
   // d += a * b (the asm text must be a literal: one statement per operand type).
   __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
+#ifdef FASTATTN_CUDA_EMULATE
+    ::fastattn::emulator::mma_m16n8k16(d, a, b0, b1, [](uint16_t bits) { return to_float(bits); });
+#else
 #define FASTATTN_MMA_M16N8K16(TYPE)                                                           \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                 \
                "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"             \
@@ -72,6 +75,7 @@ struct Mma16 {
       FASTATTN_MMA_M16N8K16("bf16");
     }
 #undef FASTATTN_MMA_M16N8K16
+#endif
   }
 };
 
@@ -80,6 +84,7 @@ struct Mma16 {
 // (ldsm_a_row / ldsm_b_row ...): each lane passes the start of one 16-byte row of one of the four
 // 8x8 matrices; the destination registers follow the mma fragment order documented there.
 
+#ifndef FASTATTN_CUDA_EMULATE
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -111,6 +116,40 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#else  // the host emulator (cuda_emulator.h) stands in for the four instructions
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* row_addr) {
+  ::fastattn::emulator::ldmatrix_x4(r, row_addr, /*trans=*/false);
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* row_addr) {
+  ::fastattn::emulator::ldmatrix_x4(r, row_addr, /*trans=*/true);
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  ::fastattn::emulator::cp_async_16(smem, gmem);
+}
+__device__ __forceinline__ void cp_async_commit() { ::fastattn::emulator::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  ::fastattn::emulator::cp_async_wait(N);
+}
+#endif
+
+
+// Plain shared-memory stores and loads of a V (at most 16 bytes, V-aligned), written so that the
+// host emulator's race check sees them (cuda_emulator.h); on a GPU, plain accesses.
+template <typename V>
+__device__ __forceinline__ void st_shared(void* p, const V& v) {
+#ifdef FASTATTN_CUDA_EMULATE
+  ::fastattn::emulator::shared_access(p, sizeof(V), /*write=*/true, "st_shared");
+#endif
+  *reinterpret_cast<V*>(p) = v;
+}
+template <typename V>
+__device__ __forceinline__ V ld_shared(const void* p) {
+#ifdef FASTATTN_CUDA_EMULATE
+  ::fastattn::emulator::shared_access(p, sizeof(V), /*write=*/false, "ld_shared");
+#endif
+  return *reinterpret_cast<const V*>(p);
 }
 
 }  // namespace cuda_helpers
