@@ -72,9 +72,11 @@
 // compile gate, fastattn/aot/cuda.py, reads it from the symbol). GPUs with less (sm_86 / sm_89:
 // 99 KiB) get a clear error for the larger buckets.
 //
-// Barriers: the forward and the dQ kernel have two __syncthreads per key tile -- after the wait
-// for tile n (its cp.async done in every thread) and after its last read (before tile n + 2
-// overwrites the buffer) --; every cp.async group is waited for before the CTA exits. The
+// Barriers: one __syncthreads per key tile (forward, dQ) or query block (dK/dV), after the wait
+// for tile n: it makes tile n's copies visible to every thread and puts every thread past its
+// reads of tile n - 1, so the prefetch of tile n + 1 issued right after it may refill that
+// stage (two barriers a tile until session 31); every cp.async group is waited for before the
+// CTA exits. The
 // forward epilogue reuses only the warp's own rows of the Q tile (ordered by __syncwarp; a warp's
 // ldmatrix reads of Q, once or per key tile, touch only its own rows). Every shared and global
 // access is bounds-checked or covered by a static_assert on the tile shapes. CI runs these
@@ -540,23 +542,25 @@ __device__ __forceinline__ void load_kv_async(uint16_t* sKV, int stage, const At
 }
 
 // Calls body(n0, sK, sV) for each tile of `tiles`, tile 0 already issued and committed by the
-// caller as its last group. Per tile: prefetch tile it + 1 into the other stage (its last
-// reader, tile it - 1, passed the barrier that ends iteration it - 1), wait for tile it (this
-// thread's copies, then every thread's: barrier), body, barrier (tile it's stage is no longer
-// read). The caller waits for the last (empty) group before the CTA exits.
+// caller as its last group. One barrier per tile (FlashAttention-2's order): wait for tile it
+// (this thread's copies), barrier (every thread's copies; and every thread is past body(it - 1),
+// the last reader of the other stage), prefetch tile it + 1 into that stage, body(it). The
+// prefetch overlaps body(it) as before; the barrier after each body that the old order needed
+// (the prefetch was issued before the wait, while slow warps could still read its stage) is
+// gone. Nothing after the loop may assume a barrier after the last body. The caller waits for
+// the last (empty) group before the CTA exits.
 template <typename Cfg, typename Body>
 __device__ __forceinline__ void for_each_key_tile(const AttnParams& p, const KeyTiles& tiles,
                                                   uint16_t* sKV, const uint16_t* k_base,
                                                   const uint16_t* v_base, Body&& body) {
   for (int it = 0; it < tiles.num; ++it) {
     const int n0 = tiles.first + it * Cfg::BN;
+    cp_async_wait<0>();  // tile it has landed (this thread's part) ...
+    __syncthreads();     // ... in every thread, and nobody reads the other stage any more
     if (it + 1 < tiles.num) load_kv_async<Cfg>(sKV, (it + 1) & 1, p, k_base, v_base, n0 + Cfg::BN);
     cp_async_commit();
-    cp_async_wait<1>();  // everything but the prefetch: tile it has landed (this thread's part)
-    __syncthreads();     // ... in every thread
     const uint16_t* sK = sKV + (it & 1) * 2 * Cfg::KV_ELEMS;
     body(n0, sK, sK + Cfg::KV_ELEMS);
-    __syncthreads();  // tile it's buffer is no longer read: iteration it + 1 may refill it
   }
 }
 
@@ -1161,12 +1165,12 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
   int gi = 0, bi = 0, gi_next = 0, bi_next = 0;  // blocks it and it + 1
   step(gi_next, bi_next);
   for (int it = 0; it < num_blocks; ++it) {
-    // Prefetch block it + 1 into the other stage: its last reader, block it - 1, passed the
-    // barrier that ends iteration it - 1.
+    // One barrier per block, as for_each_key_tile: wait for block it, barrier, prefetch block
+    // it + 1 into the other stage (its last reader, block it - 1, is behind every thread).
+    cp_async_wait<0>();  // block it (and K / V) landed here ...
+    __syncthreads();     // ... and in every thread, its stats are stashed, block it - 1 is done
     if (it + 1 < num_blocks) fetch_block(it + 1, gi_next, bi_next);
     cp_async_commit();
-    cp_async_wait<1>();  // everything but the prefetch: block it (and K / V) landed here ...
-    __syncthreads();     // ... and in every thread, and its stats are stashed
     {
       const int m0 = m_first + bi * BM;
       const int h = hk * p.group + gi;
@@ -1253,7 +1257,6 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
     gi = gi_next;
     bi = bi_next;
     step(gi_next, bi_next);
-    __syncthreads();  // block it's stage is no longer read: iteration it + 1 may refill it
   }
   cp_async_wait<0>();  // K / V landed even when no query block was visited
   uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
