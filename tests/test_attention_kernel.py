@@ -22,6 +22,8 @@ from fastattn.kernels import attention as attn  # noqa: E402
 from fastattn.kernels import attention_launch, descriptors  # noqa: E402
 from fastattn.testing import launching_directly  # noqa: E402
 
+from cuda_cases import close as _assert_close, mask_np as _mask_np, np_of as _np  # noqa: E402
+
 
 def attention_forward(*args):
     """The launcher as its registered op runs it (fastattn.testing.launching_directly)."""
@@ -39,25 +41,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Absolute tolerances relative to the largest reference magnitude (at least 1).
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-def _np(x):
-    return None if x is None else x.detach().cpu().double().numpy()
-
-
-def _mask_np(mask):
-    if mask is None:
-        return None
-    return mask.cpu().numpy() if mask.dtype == torch.bool else _np(mask)
-
-
-def _assert_close(name, got, want, tol):
-    got = _np(got)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert np.isfinite(got).all(), f"{name}: non-finite values"
-    scale = max(1.0, float(np.abs(want).max()))
-    err = float(np.abs(got - want).max())
-    assert err <= tol * scale, f"{name}: max abs error {err:.3g} > {tol * scale:.3g}"
 
 
 def _inputs(B, H, Hkv, Lq, Lk, D, Dv, dtype, seed=0, amp=1.0, transposed=False):

@@ -1,13 +1,13 @@
-"""The cuda backend's attention kernels RUN without a GPU: csrc/cuda/attention.cu's device code,
-compiled for the host on the SIMT emulator (fastattn.aot.emulate, cuda_emulator.h), against the
-float64 reference on the GPU tests' own cases (cuda_attention_cases.py).
+"""The cuda backend's kernels RUN without a GPU: csrc/cuda/*.cu's device code, compiled for the
+host on the SIMT emulator (fastattn.aot.emulate, cuda_emulator.h), against the float64 reference;
+attention on the GPU tests' own cases (cuda_cases.py), the other ops on each of their paths.
 
 What this proves before a GPU does: the fragment maps of ldmatrix and mma.sync as the kernels
 use them, the swizzled tile addresses, the cp.async double buffers (a copy lands only at its
 wait_group), the online softmax, masks, bands, GQA, dropout's RNG, the three backward kernels and
-the NaN rule's careful paths, for both forward configs (16 and 32 query rows a warp). What it does
-not: speed, occupancy, and races the in-order emulation hides (compute-sanitizer's racecheck on a
-GPU). The emulator's own checks have their controls at the end.
+the NaN rule's careful paths, for both forward configs (16 and 32 query rows a warp); and, by the
+emulator's happens-before check, that no shared-memory access races. What it does not: speed,
+occupancy, the compiler's sm_90a code. The emulator's own checks have their controls at the end.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from fastattn import reference as ref
+from fastattn.reference import rope as ref_rope
 from fastattn.ops.attention import band
 
 import fastattn
-from cuda_attention_cases import (ATT_CASES, ATT_TOL, att_inputs, att_reference, check_att, close,
-                                  np_of)
+from cuda_cases import (ATT_CASES, ATT_TOL, SM_TOL, att_inputs, att_reference, check_att, close,
+                        np_of)
 from test_nan import KERNEL_CASES, _check_kernel_case as check_kernel_case
 
 emulate = pytest.importorskip("fastattn.aot.emulate")
@@ -154,6 +155,115 @@ def test_emulated_empty_keys(backend):
     assert torch.isneginf(lse).all()
     (dq,) = torch.autograd.grad(out, (q,), torch.ones_like(out))
     assert not dq.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# The other CUDA ops (softmax.cu, layer_norm.cu, ffn.cu, rope.cu), called as their torch ops
+# take their arguments, against the float64 reference: each kernel path once or twice.
+
+_T = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # layer norm, FFN, RoPE
+
+
+@pytest.mark.parametrize("shape,kind,causal,dtype", [
+    ((2, 3, 17, 33), None, False, torch.float32),          # warp per row
+    ((2, 3, 17, 40), "bool", True, torch.float16),         # warp per row, 16-byte vectors
+    ((1, 2, 5, 2000), "float", False, torch.bfloat16),     # block per row, cached scores
+    ((1, 1, 3, 13000), "bool", True, torch.float32),       # block per row, two passes
+], ids=["warp", "warp-vec-causal", "block-cached", "block-uncached"])
+def test_emulated_softmax(kernels, shape, kind, causal, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    L0, L1, Lq, Lk = shape
+    mask = None
+    if kind == "bool":  # (1, 1, Lq, Lk), a fully masked row
+        mask = torch.rand(1, 1, Lq, Lk, generator=gen) > 0.3
+        mask[..., 0, :] = False
+    elif kind == "float":  # (L0, 1, 1, Lk) with -inf entries
+        mask = torch.randn(L0, 1, 1, Lk, generator=gen)
+        mask[torch.rand(mask.shape, generator=gen) < 0.2] = float("-inf")
+    y = kernels.softmax_fwd(x, None if mask is None else mask.expand(shape), 0.5, causal)
+    want = ref.softmax(np_of(x), None if mask is None else mask.numpy(), 0.5, causal)
+    close("y", y, want, SM_TOL[dtype])
+    dy = torch.randn(shape, generator=gen).to(dtype)
+    dx = kernels.softmax_bwd(dy, y, 0.5)
+    close("dx", dx, ref.softmax_backward(np_of(dy), np_of(y), 0.5), 4 * SM_TOL[dtype])
+
+
+@pytest.mark.parametrize("n,dtype,affine,rms", [
+    (64, torch.float32, "weight+bias", False),
+    (1000, torch.bfloat16, "weight", False),
+    (4096, torch.bfloat16, "weight+bias", False),  # backward at 48 KB of shared memory
+    (200, torch.float16, "weight", True),      # RMSNorm
+    (333, torch.float32, None, False),         # odd n: element loads
+])
+def test_emulated_layer_norm(kernels, n, dtype, affine, rms):
+    gen = torch.Generator().manual_seed(0)
+    M, eps = 6, 1e-5
+    x = torch.randn(M, n, generator=gen).to(dtype)
+    w = (1 + torch.randn(n, generator=gen)).to(dtype) if affine else None
+    b = torch.randn(n, generator=gen).to(dtype) if affine == "weight+bias" else None
+    y, _, mean, rstd = kernels.layer_norm_fwd(x, None, w, b, eps, rms)
+    assert rstd.dtype == torch.float32
+    dy = torch.randn(M, n, generator=gen).to(dtype)
+    dx, dw, db = kernels.layer_norm_bwd(dy, None, x, w, mean, rstd, rms, [w is not None, b is not None])
+    xs, ws, bs = np_of(x), np_of(w), np_of(b)
+    if rms:
+        want_y, _ = ref.rms_norm(xs, (n,), ws, eps)
+        want = ref.rms_norm_backward(np_of(dy), xs, (n,), ws, eps)
+    else:
+        want_y = ref.layer_norm(xs, (n,), ws, bs, eps)[0]
+        want = ref.layer_norm_backward(np_of(dy), xs, (n,), ws, eps)
+    close("y", y, want_y, _T[dtype])
+    close("dx", dx, want[0], 4 * _T[dtype])
+    if w is not None:
+        close("dweight", dw, want[1], 4 * _T[dtype])
+    if b is not None:
+        close("dbias", db, want[2], 4 * _T[dtype])
+
+
+@pytest.mark.parametrize("M,D,F,D2,bias,act,dtype", [
+    (37, 64, 128, 64, True, "gelu", torch.float32),
+    (5, 48, 100, 35, False, "swiglu", torch.float32),
+    (30, 33, 71, 17, True, "gelu_tanh", torch.float32),
+    (19, 64, 96, 32, True, "geglu", torch.bfloat16),
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_emulated_ffn(kernels, M, D, F, D2, bias, act, dtype):
+    gen = torch.Generator().manual_seed(0)
+    f1 = 2 * F if act in ("swiglu", "geglu") else F
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(dtype)
+
+    x, w1, w2 = rnd(M, D), rnd(f1, D, scale=D ** -0.5), rnd(D2, F, scale=F ** -0.5)
+    b1 = rnd(f1, scale=0.5) if bias else None
+    b2 = rnd(D2, scale=0.5) if bias else None
+    out, pre = kernels.ffn_fwd(x, w1, b1, w2, b2, act)
+    args = [np_of(t) for t in (x, w1, b1, w2, b2)]
+    close("out", out, ref.ffn(*args, act), 3 * _T[dtype])
+    dout = rnd(M, D2)
+    got = kernels.ffn_bwd(dout, x, w1, w2, pre, act, [bias, bias])
+    for name, g, w in zip(("dx", "dw1", "db1", "dw2", "db2"), got,
+                          ref.ffn_backward(np_of(dout), *args, act)):
+        if w is not None:
+            close(name, g, w, 6 * _T[dtype])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("D,dtype,positions", [(64, torch.float32, False), (40, torch.bfloat16, True),
+                                               (6, torch.float16, False)])
+def test_emulated_rope(kernels, D, dtype, positions, interleaved):
+    gen = torch.Generator().manual_seed(0)
+    B, H, L, P = 2, 3, 9, 16
+    x = torch.randn(B, H, L, D, generator=gen).to(dtype)
+    cos, sin = (torch.from_numpy(t).float() for t in ref_rope.rotary_cos_sin(P, D))
+    pos = torch.randint(0, P, (B, L), generator=gen) if positions else None
+    if pos is None:
+        cos, sin = cos[:L], sin[:L]
+    y = kernels.rope_fwd(x, cos, sin, pos, interleaved, False)
+    kw = dict(positions=None if pos is None else pos.numpy(), interleaved=interleaved)
+    close("y", y, ref_rope.rope(np_of(x), cos.numpy(), sin.numpy(), **kw), _T[dtype])
+    back = kernels.rope_fwd(y, cos, sin, pos, interleaved, True)  # the inverse rotation
+    close("x", back, np_of(x), 2 * _T[dtype])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ import fastattn
 from fastattn import reference as ref
 from fastattn.testing import assert_close_to_reference
 
-from cuda_attention_cases import (ATT_CASES, ATT_TOL, att_inputs, att_reference, check_att,
-                                  close as _close, mask_np as _mask_np, np_of as _np)
+from cuda_cases import (ACTS, ATT_CASES, ATT_TOL, SM_TOL, att_inputs, att_reference, check_att,
+                        close as _close, mask_np as _mask_np, np_of as _np)
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,6 @@ def _sum_to(g, shape):
 # softmax
 # =============================================================================================
 
-SM_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 # (L0, L1, Lq, Lk): warp path (E = 1..32 elements per lane), block path cached / uncached, long.
 SM_SHAPES = [
@@ -159,9 +158,6 @@ def test_softmax_empty():
 # =============================================================================================
 # ffn
 # =============================================================================================
-
-ACTS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
-
 
 def _ffn_inputs(M, D, F, D2, act, dtype, bias, seed=0):
     gen = torch.Generator().manual_seed(seed)

@@ -787,7 +787,7 @@ __device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int 
   static_assert(SMEM_BYTES == Cfg::SMEM, "the symbol's shared memory must be the launch's");  \
   using M16 = Mma16<T>;                                                                      \
   constexpr int DP = Cfg::DP, BN = Cfg::BN, BM = Cfg::BM, NT = Cfg::NTHREADS;                \
-  FASTATTN_DYNAMIC_SMEM(smem_raw)
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem_raw)
 
 // ---------------------------------------------------------------------------------------------
 // Forward. SMEM_BYTES == Cfg::SMEM: it is a template argument so that the symbol carries the
@@ -1480,6 +1480,7 @@ void launch(Kernel kernel, int64_t blocks, int threads, int smem, const AttnPara
   const int limit = max_smem_optin(device);
   TORCH_CHECK(smem <= limit, what, " needs ", smem, " bytes of shared memory per block but this ",
               "GPU allows ", limit, "; use a smaller head dim or backend=\"triton\"");
+  opt_in_smem(kernel, smem);
   launch_kernel(kernel, static_cast<unsigned>(blocks), threads, smem, stream, p);
 }
 

@@ -40,8 +40,6 @@
 #include "fastattn/activation.h"
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <array>
@@ -261,12 +259,11 @@ at::Tensor column_sum(const at::Tensor& in, cudaStream_t stream) {
   const dim3 grid(grid_1d(ceil_div(N, kColTile)),
                   static_cast<unsigned>(num_chunks < kMaxGridY ? num_chunks : kMaxGridY));
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(in.scalar_type(), "ffn_column_sum_cuda", [&] {
-    colsum_partial_kernel<scalar_t><<<grid, block, 0, stream>>>(
-        in.const_data_ptr<scalar_t>(), M, N, in.stride(0), partial.data_ptr<float>(), num_chunks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    colsum_final_kernel<scalar_t><<<grid_1d(ceil_div(N, 256)), 256, 0, stream>>>(
-        partial.const_data_ptr<float>(), num_chunks, N, out.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(colsum_partial_kernel<scalar_t>, grid, block, 0, stream,
+                  in.const_data_ptr<scalar_t>(), M, N, in.stride(0), partial.data_ptr<float>(),
+                  num_chunks);
+    launch_kernel(colsum_final_kernel<scalar_t>, grid_1d(ceil_div(N, 256)), 256, 0, stream,
+                  partial.const_data_ptr<float>(), num_chunks, N, out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -306,11 +303,10 @@ void launch_act(const ActParams& p, ActSpec spec, bool backward, at::ScalarType 
         constexpr int VEC = decltype(vec_const)::value;
         const unsigned grid = grid_1d(ceil_div(p.M * (p.F / VEC), 256));
         if (backward) {
-          act_bwd_kernel<scalar_t, ACT, GATED, VEC><<<grid, 256, 0, stream>>>(p);
+          launch_kernel(act_bwd_kernel<scalar_t, ACT, GATED, VEC>, grid, 256, 0, stream, p);
         } else {
-          act_fwd_kernel<scalar_t, ACT, GATED, VEC><<<grid, 256, 0, stream>>>(p);
+          launch_kernel(act_fwd_kernel<scalar_t, ACT, GATED, VEC>, grid, 256, 0, stream, p);
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       using True = std::true_type;
       using False = std::false_type;
@@ -377,8 +373,8 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cuda(const at::Tensor& x, const at::T
     check_shape(**b, {n}, name);
     check_dtype(**b, x.scalar_type(), name);
   }
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const DeviceGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x.device().index());
 
   at::Tensor pre = b1.has_value() ? at::addmm(*b1, x, w1.t()) : at::mm(x, w1.t());
   at::Tensor a = at::empty({M, F}, x.options());
@@ -411,8 +407,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   TORCH_CHECK(w2.size(1) == F, "w2 must have shape (", D2, ", ", F, "), got ", w2.sizes());
   check_shape(dout, {M, D2}, "dout");
   check_shape(pre, {M, F1}, "pre");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const DeviceGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x.device().index());
 
   at::Tensor da = at::mm(dout, w2);  // (M, F), row-major
   at::Tensor da_c = da.is_contiguous() ? da : da.contiguous();

@@ -33,8 +33,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -123,7 +121,7 @@ template <typename T, typename W, int kVec, bool kWarp>
 __global__ void __launch_bounds__(kMaxBlockThreads) layer_norm_fwd_kernel(const FwdParams<T, W> p) {
   using VT = Vec<T, kVec>;
   using VW = Vec<W, kVec>;
-  extern __shared__ float4 smem[];
+  FASTATTN_DYNAMIC_SMEM(float4, smem);
   __shared__ float red[kWarpSize];
   const auto [group_size, groups, group, t] = row_group<kWarp>();
   const int nvec = p.n / kVec;
@@ -218,7 +216,7 @@ __global__ void __launch_bounds__(kWarp ? kWarpsPerBlock * kWarpSize : kMaxBlock
     layer_norm_bwd_kernel(const BwdParams<T, W> p) {
   using VT = Vec<T, kVec>;
   using VW = Vec<W, kVec>;
-  extern __shared__ float4 smem[];
+  FASTATTN_DYNAMIC_SMEM(float4, smem);
   __shared__ float red[kWarpSize];
   const auto [group_size, groups, group, t] = row_group<kWarp>();
   const int n = p.n;
@@ -380,29 +378,14 @@ RowGroups row_groups(int n, int elem_bytes, int vec) {
 template <typename Kernel>
 int resident_grid(Kernel kernel, int threads, int64_t smem_bytes, int64_t work) {
   constexpr int64_t kDefaultSmemBytes = 48 * 1024;
-  cudaFuncAttributes attr{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (smem_bytes + static_cast<int64_t>(attr.sharedSizeBytes) > kDefaultSmemBytes) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem_bytes)));
-  }
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
-                                                               static_cast<size_t>(smem_bytes)));
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                        c10::cuda::current_device()));
-  const int64_t resident = int64_t{std::max(per_sm, 1)} * sms;
+  if (smem_bytes + static_smem_bytes(kernel) > kDefaultSmemBytes) opt_in_smem(kernel, smem_bytes);
+  const int per_sm = blocks_per_sm(kernel, threads, smem_bytes);
+  const int64_t resident = int64_t{std::max(per_sm, 1)} * sm_count(current_device());
   return static_cast<int>(std::max<int64_t>(1, std::min(work, resident)));
 }
 
 // Dynamic shared memory one block may use: the opt-in maximum, less room for static memory.
-int64_t smem_budget() {
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        c10::cuda::current_device()));
-  return int64_t{optin} - 1024;
-}
+int64_t smem_budget() { return int64_t{max_smem_optin(current_device())} - 1024; }
 
 // Whether 16-byte vectors of T fit every row: n a multiple of kVec16<T>, 16-byte aligned bases and
 // row strides that are multiples of kVec16<T>; parameters of W aligned to kVec16<T> elements.
@@ -427,8 +410,7 @@ void launch_fwd(FwdParams<T, W> p, int threads, int groups, cudaStream_t stream)
   const int64_t smem = p.cache ? cache_bytes : 0;
   const auto kernel = layer_norm_fwd_kernel<T, W, kVec, kWarp>;
   const int grid = resident_grid(kernel, threads, smem, ceil_div(p.rows, groups));
-  kernel<<<grid, threads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, grid, threads, smem, stream, p);
 }
 
 template <typename T, typename W>
@@ -452,7 +434,7 @@ void layer_norm_fwd_typed(const at::Tensor& x, const std::optional<at::Tensor>& 
   p.inv_n = 1.f / static_cast<float>(p.n);
   p.eps = static_cast<float>(eps);
   p.rms = rms;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(current_device());
   constexpr int kVec = kVec16<T>;
   if (vectorizable<T, W>(p.n, {{p.x, p.x_stride}, {p.residual, p.r_stride}}, {p.weight, p.bias})) {
     const RowGroups rg = row_groups(p.n, sizeof(T), kVec);
@@ -499,19 +481,16 @@ void launch_bwd(BwdParams<T, W> p, int threads, int groups, at::Tensor& dweight,
       p.part_b = part_b.data_ptr<float>();
     }
   }
-  kernel<<<grid, threads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, grid, threads, smem, stream, p);
   const dim3 sum_block(kWarpSize, kColSumRows);
   const unsigned sum_grid = grid_1d(ceil_div(p.n, kWarpSize));
   if (dweight.defined()) {
-    column_sum_kernel<W><<<sum_grid, sum_block, 0, stream>>>(p.part_w, grid, p.n, kVec,
+    launch_kernel(column_sum_kernel<W>, sum_grid, sum_block, 0, stream, p.part_w, grid, p.n, kVec,
                                                               dweight.data_ptr<W>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (dbias.defined()) {
-    column_sum_kernel<W><<<sum_grid, sum_block, 0, stream>>>(p.part_b, grid, p.n, kVec,
+    launch_kernel(column_sum_kernel<W>, sum_grid, sum_block, 0, stream, p.part_b, grid, p.n, kVec,
                                                               dbias.data_ptr<W>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
@@ -535,7 +514,7 @@ void layer_norm_bwd_typed(const at::Tensor& dy, const std::optional<at::Tensor>&
   p.n = static_cast<int>(h.size(1));
   p.inv_n = 1.f / static_cast<float>(p.n);
   p.rms = rms;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(current_device());
   constexpr int kVec = kVec16<T>;
   if (vectorizable<T, W>(p.n, {{p.dy, p.dy_stride}, {p.dh, p.dh_stride}, {p.h, p.h_stride}},
                          {p.weight})) {
@@ -578,7 +557,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
   check_layer_norm_fwd(x, residual, weight, bias, /*allow_double=*/false);
   TORCH_CHECK(x.size(1) < std::numeric_limits<int>::max(), "x: rows of ", x.size(1),
               " elements are too long (at most 2^31 - 2)");
-  const c10::cuda::CUDAGuard device_guard(x.device());
+  const DeviceGuard device_guard(x.device());
   LayerNormFwdOutputs out = layer_norm_fwd_outputs(x, residual.has_value(), eps, rms);
   if (out.empty) return out.tuple();
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "layer_norm_fwd_cuda", [&] {
@@ -602,7 +581,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
   check_layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, /*allow_double=*/false);
   TORCH_CHECK(h.size(1) < std::numeric_limits<int>::max(), "h: rows of ", h.size(1),
               " elements are too long (at most 2^31 - 2)");
-  const c10::cuda::CUDAGuard device_guard(h.device());
+  const DeviceGuard device_guard(h.device());
   const int64_t m = h.size(0), n = h.size(1);
   at::Tensor dx = at::empty({m, n}, h.options());
   const bool want_dw = weight.has_value() && output_mask[0];

@@ -20,8 +20,6 @@
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "fastattn/common.h"
@@ -157,8 +155,7 @@ template <typename T, int NP, bool kInterleaved, bool kVector>
 void launch(RopeParams p, cudaStream_t stream) {
   p.total = p.total / NP;
   const unsigned blocks = grid_1d(ceil_div(p.total, kThreads));
-  rope_kernel<T, NP, kInterleaved, kVector><<<blocks, kThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(rope_kernel<T, NP, kInterleaved, kVector>, blocks, kThreads, 0, stream, p);
 }
 
 // Picks the widest chunk the layout allows: 16 bytes of x per vector access.
@@ -202,7 +199,7 @@ at::Tensor rope_fwd_cuda(const at::Tensor& x, const at::Tensor& cos, const at::T
     TORCH_CHECK(cos.size(0) == L, "without positions the tables must have L = ", L,
                 " rows, got ", cos.size(0));
   }
-  const c10::cuda::CUDAGuard guard(x.device());
+  const DeviceGuard guard(x.device());
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (y.numel() == 0) return y;
 
@@ -229,7 +226,7 @@ at::Tensor rope_fwd_cuda(const at::Tensor& x, const at::Tensor& cos, const at::T
   const bool aligned = is_aligned(p.x, 16) && is_aligned(p.y, 16) &&
                        strides_multiple_of({p.sxb, p.sxh, p.sxl, D}, V) &&
                        (interleaved || p.half % V == 0);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const cudaStream_t stream = current_stream(x.device().index());
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "rope_fwd_cuda", [&] {
     dispatch<scalar_t>(p, interleaved, aligned, stream);
   });
@@ -239,6 +236,10 @@ at::Tensor rope_fwd_cuda(const at::Tensor& x, const at::Tensor& cos, const at::T
 }  // namespace
 }  // namespace cuda
 
+#ifndef FASTATTN_CUDA_EMULATE
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) { m.impl("rope_fwd", &cuda::rope_fwd_cuda); }
+#else
+void emulated_rope(pybind11::module& m) { m.def("rope_fwd", &cuda::rope_fwd_cuda); }
+#endif
 
 }  // namespace fastattn

@@ -33,8 +33,6 @@
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <type_traits>
@@ -240,7 +238,7 @@ __global__ void __launch_bounds__(kWarpThreads) softmax_bwd_warp_kernel(BwdParam
 
 template <typename T, int VEC, bool CACHE>
 __global__ void __launch_bounds__(kMaxBlockThreads) softmax_fwd_block_kernel(FwdParams p) {
-  extern __shared__ float cache[];  // CACHE: Lk floats (launch passes Lk * 4 bytes)
+  FASTATTN_DYNAMIC_SMEM(float, cache);  // CACHE: Lk floats (launch passes Lk * 4 bytes)
   __shared__ float red_m[kWarpSize], red_l[kWarpSize];
   const int64_t step = int64_t{blockDim.x} * VEC;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
@@ -355,11 +353,10 @@ void launch(const Params& p, bool vec_ok, cudaStream_t stream) {
       auto warp_kernel = [&](auto vec_const) {
         constexpr int VEC = decltype(vec_const)::value;
         if constexpr (kFwd) {
-          softmax_fwd_warp_kernel<T, VEC, E / VEC><<<grid, kWarpThreads, 0, stream>>>(p);
+          launch_kernel(softmax_fwd_warp_kernel<T, VEC, E / VEC>, grid, kWarpThreads, 0, stream, p);
         } else {
-          softmax_bwd_warp_kernel<T, VEC, E / VEC><<<grid, kWarpThreads, 0, stream>>>(p);
+          launch_kernel(softmax_bwd_warp_kernel<T, VEC, E / VEC>, grid, kWarpThreads, 0, stream, p);
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if constexpr (E >= V) {
         if (vec_ok) return warp_kernel(std::integral_constant<int, V>{});
@@ -376,21 +373,20 @@ void launch(const Params& p, bool vec_ok, cudaStream_t stream) {
     const size_t smem = cache ? static_cast<size_t>(p.Lk) * sizeof(float) : 0;
     if (vec_ok) {
       if (cache) {
-        softmax_fwd_block_kernel<T, V, true><<<grid, threads, smem, stream>>>(p);
+        launch_kernel(softmax_fwd_block_kernel<T, V, true>, grid, threads, smem, stream, p);
       } else {
-        softmax_fwd_block_kernel<T, V, false><<<grid, threads, 0, stream>>>(p);
+        launch_kernel(softmax_fwd_block_kernel<T, V, false>, grid, threads, 0, stream, p);
       }
     } else if (cache) {
-      softmax_fwd_block_kernel<T, 1, true><<<grid, threads, smem, stream>>>(p);
+      launch_kernel(softmax_fwd_block_kernel<T, 1, true>, grid, threads, smem, stream, p);
     } else {
-      softmax_fwd_block_kernel<T, 1, false><<<grid, threads, 0, stream>>>(p);
+      launch_kernel(softmax_fwd_block_kernel<T, 1, false>, grid, threads, 0, stream, p);
     }
   } else if (vec_ok) {
-    softmax_bwd_block_kernel<T, V><<<grid, threads, 0, stream>>>(p);
+    launch_kernel(softmax_bwd_block_kernel<T, V>, grid, threads, 0, stream, p);
   } else {
-    softmax_bwd_block_kernel<T, 1><<<grid, threads, 0, stream>>>(p);
+    launch_kernel(softmax_bwd_block_kernel<T, 1>, grid, threads, 0, stream, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor softmax_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& mask,
@@ -404,7 +400,7 @@ at::Tensor softmax_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>
                 mask->sizes());
     check_shape(*mask, x.sizes(), "mask");
   }
-  const c10::cuda::CUDAGuard guard(x.device());
+  const DeviceGuard guard(x.device());
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (y.numel() == 0) return y;
 
@@ -432,7 +428,7 @@ at::Tensor softmax_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>
   const int64_t V = vbytes / static_cast<int64_t>(x.element_size());
   const bool vec_ok = p.Lk % V == 0 && is_aligned(p.x, vbytes) && is_aligned(p.y, vbytes) &&
                       strides_multiple_of({p.sx0, p.sx1, p.sx2}, V);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const cudaStream_t stream = current_stream(x.device().index());
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(x.scalar_type(), "softmax_fwd_cuda",
                                     [&] { launch<scalar_t>(p, vec_ok, stream); });
   return y;
@@ -442,7 +438,7 @@ at::Tensor softmax_bwd_cuda(const at::Tensor& dy, const at::Tensor& y, double sc
   check_cuda_tensor(y, "y");
   check_cuda_tensor(dy, "dy");
   check_softmax_bwd(dy, y, /*allow_double=*/false);
-  const c10::cuda::CUDAGuard guard(y.device());
+  const DeviceGuard guard(y.device());
   at::Tensor dx = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
   if (dx.numel() == 0) return dx;
 
@@ -466,7 +462,7 @@ at::Tensor softmax_bwd_cuda(const at::Tensor& dy, const at::Tensor& y, double sc
   const bool vec_ok = p.Lk % V == 0 && is_aligned(p.dy, vbytes) && is_aligned(p.y, vbytes) &&
                       is_aligned(p.dx, vbytes) &&
                       strides_multiple_of({p.sd0, p.sd1, p.sd2, p.sy0, p.sy1, p.sy2}, V);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.device().index()).stream();
+  const cudaStream_t stream = current_stream(y.device().index());
   FASTATTN_DISPATCH_FLOAT_HALF_BF16(y.scalar_type(), "softmax_bwd_cuda",
                                     [&] { launch<scalar_t>(p, vec_ok, stream); });
   return dx;

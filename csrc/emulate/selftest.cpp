@@ -24,7 +24,7 @@ struct Args {
 
 // A thread reads a word another thread wrote, with (ok) or without a barrier between.
 __global__ void raw_race(const Args p) {
-  FASTATTN_DYNAMIC_SMEM(smem);
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem);
   float* s = reinterpret_cast<float*>(smem);
   const int t = threadIdx.x;
   st_shared(s + t, static_cast<float>(t));
@@ -35,7 +35,7 @@ __global__ void raw_race(const Args p) {
 // A warp reads a tile with ldmatrix while another warp's cp.async refills it; ok: a barrier
 // between, as the kernels' second barrier per key tile.
 __global__ void war_race(const Args p) {
-  FASTATTN_DYNAMIC_SMEM(smem);
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem);
   uint16_t* s = reinterpret_cast<uint16_t*>(smem);
   const int t = threadIdx.x, lane = t % 32;
   st_shared(s + 8 * t, make_uint4(t, t, t, t));  // 64 chunks of 16 bytes
@@ -49,33 +49,35 @@ __global__ void war_race(const Args p) {
   p.out[t] = static_cast<float>(r[0] & 0xffffu);
 }
 
-// A thread reads its own cp.async destination before (or, ok, after) waiting for it.
-__global__ void read_in_flight(const Args p) {
-  FASTATTN_DYNAMIC_SMEM(smem);
+// Thread t's cp.async of 16-byte chunk t of `a` into shared memory, committed, and (ok) waited
+// for; returns the shared tile.
+__device__ uint16_t* copy_own_chunk(const Args& p) {
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem);
   uint16_t* s = reinterpret_cast<uint16_t*>(smem);
   const int t = threadIdx.x;
   cp_async_16(s + 8 * t, p.a + 8 * t);
   cp_async_commit();
   if (p.ok) cp_async_wait<0>();
-  const uint4 v = ld_shared<uint4>(s + 8 * t);
-  cp_async_wait<0>();
-  p.out[t] = static_cast<float>(v.x & 0xffffu);
+  return s;
 }
 
-// A thread returns with its cp.async group never waited for.
+// A thread reads its own cp.async destination before (or, ok, after) waiting for it.
+__global__ void read_in_flight(const Args p) {
+  const uint16_t* s = copy_own_chunk(p);
+  const uint4 v = ld_shared<uint4>(s + 8 * threadIdx.x);
+  cp_async_wait<0>();
+  p.out[threadIdx.x] = static_cast<float>(v.x & 0xffffu);
+}
+
+// A thread returns with its cp.async group never waited for (ok: waited for).
 __global__ void exit_in_flight(const Args p) {
-  FASTATTN_DYNAMIC_SMEM(smem);
-  uint16_t* s = reinterpret_cast<uint16_t*>(smem);
-  const int t = threadIdx.x;
-  cp_async_16(s + 8 * t, p.a + 8 * t);
-  cp_async_commit();
-  if (p.ok) cp_async_wait<0>();
-  p.out[t] = 1.f;
+  copy_own_chunk(p);
+  p.out[threadIdx.x] = 1.f;
 }
 
 // Reads shared memory that no thread wrote (ok: after writing it).
 __global__ void read_unwritten(const Args p) {
-  FASTATTN_DYNAMIC_SMEM(smem);
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem);
   float* s = reinterpret_cast<float*>(smem);
   const int t = threadIdx.x;
   if (p.ok) st_shared(s + t, 1.f);
@@ -92,7 +94,7 @@ __global__ void divergent_barrier(const Args p) {
 
 // ldmatrix past the end of the dynamic shared memory (ok: inside it).
 __global__ void ldmatrix_out_of_bounds(const Args p) {
-  FASTATTN_DYNAMIC_SMEM(smem);
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem);
   uint16_t* s = reinterpret_cast<uint16_t*>(smem);
   const int lane = threadIdx.x % 32;
   st_shared(s + 8 * lane, make_uint4(0, 0, 0, 0));
@@ -106,7 +108,7 @@ __global__ void ldmatrix_out_of_bounds(const Args p) {
 // row-major tiles in shared memory and one mma.sync, as the attention kernels compute Q K^T.
 template <typename T>
 __global__ void mma_product(const Args p) {
-  FASTATTN_DYNAMIC_SMEM(smem);
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem);
   uint16_t* sa = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sb = sa + 256;
   const int lane = threadIdx.x;
@@ -145,7 +147,7 @@ at::Tensor run(const std::string& name, bool ok, const at::Tensor& a, const at::
   const Args p{reinterpret_cast<const uint16_t*>(a.const_data_ptr()),
                reinterpret_cast<const uint16_t*>(b.const_data_ptr()), out.data_ptr<float>(), ok};
   auto go = [&](void (*kernel)(Args), unsigned threads) {
-    launch_kernel(kernel, 1, static_cast<int>(threads), 4096, nullptr, p);
+    launch_kernel(kernel, 1, threads, 4096, nullptr, p);
   };
   if (name == "raw_race") go(raw_race, 64);
   else if (name == "war_race") go(war_race, 64);

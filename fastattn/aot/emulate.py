@@ -1,19 +1,21 @@
-"""The CUDA attention kernels RUN on the host: csrc/cuda/attention.cu compiled by the host C++
-compiler on the SIMT emulator of csrc/include/fastattn/cuda_emulator.h (fibers for threads,
-warp-level ldmatrix / mma.sync / shuffles, cp.async completing at its wait).
+"""The CUDA kernels RUN on the host: csrc/cuda/*.cu compiled by the host C++ compiler on the
+SIMT emulator of csrc/include/fastattn/cuda_emulator.h (fibers for threads, warp-level ldmatrix /
+mma.sync / shuffles, cp.async completing at its wait, a happens-before shared-memory race check).
 
 It lets CI (no GPU) check the device code of the cuda backend against the float64 reference —
 fragment maps, swizzled addresses, the online softmax, masks and bands, dropout, GQA, the
-backward's three kernels — before any GPU has run it (tests/test_cuda_emulated.py). It is a test
-instrument, not a backend: a block runs its threads one after another (hundreds of times slower
-than the cpu backend), and timing, occupancy and races stay for a GPU to show.
+backward's three kernels, and the small ops' kernels — and the attention kernels' barriers
+(tests/test_cuda_emulated.py). It is a test instrument, not a backend: a block runs its threads
+one after another (hundreds of times slower than the cpu backend); timing, occupancy and the
+sm_90a compiler stay for a GPU to show.
 
-``load()`` builds (once, cached under build/emulate/) and returns the module, whose
-``attention_fwd`` / ``attention_bwd`` take CPU tensors and the arguments of the
-``fastattn::attention_fwd`` / ``attention_bwd`` schemas; ``selftest(name, ok, a, b)`` runs one of
-the emulator's own controls (csrc/emulate/selftest.cpp). It needs the CUDA headers (cuda_fp16.h,
-cuda_runtime.h; no GPU, no CUDA library is linked) and raises :class:`EmulatorUnavailable`
-without them.
+``load()`` builds (once, cached under build/emulate/) and returns the module: ``<op>_fwd`` /
+``<op>_bwd`` for attention, softmax, layer_norm, ffn (and ``rope_fwd``) take CPU tensors and the
+arguments of the ``fastattn::<op>_fwd`` / ``_bwd`` schemas (csrc/fastattn.cpp);
+``selftest(name, ok, a, b)`` runs one of the emulator's own controls (csrc/emulate/selftest.cpp).
+``register()`` makes the attention ops the backend ``"cuda_emulated"``. It needs the CUDA headers
+(cuda_fp16.h, cuda_runtime.h; no GPU, no CUDA library is linked) and raises
+:class:`EmulatorUnavailable` without them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import os
 import shutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCES = [os.path.join(ROOT, "csrc", "emulate", f) for f in ("attention.cpp", "selftest.cpp")]
+SOURCES = [os.path.join(ROOT, "csrc", "emulate", f"{name}.cpp")
+           for name in ("module", "attention", "softmax", "layer_norm", "ffn", "rope", "selftest")]
 
 
 class EmulatorUnavailable(RuntimeError):

@@ -177,6 +177,7 @@ struct Fiber {
   Context ctx;
   std::unique_ptr<char[]> stack;
   uint3 tid{};
+  int linear = 0;  // the thread's index in the block (x fastest): its warp is linear / 32
   int lane = 0;
   bool done = false;
   std::vector<CpAsync> open;                  // issued since the last commit
@@ -200,11 +201,12 @@ inline thread_local Scheduler* tls_sched = nullptr;
 inline Scheduler& sched() { return *tls_sched; }
 inline Fiber& self() { return *tls_sched->cur; }
 inline Block& block() { return *tls_sched->block; }
-inline Warp& warp() { return block().warps[self().tid.x / kWarp]; }
+inline Warp& warp() { return block().warps[self().linear / kWarp]; }
 
 inline std::string where() {
   const Block& b = block();
-  return "block " + std::to_string(b.idx.x) + ", thread " + std::to_string(self().tid.x);
+  return "block (" + std::to_string(b.idx.x) + ", " + std::to_string(b.idx.y) + ", " +
+         std::to_string(b.idx.z) + "), thread " + std::to_string(self().linear);
 }
 
 // Ends this fiber for good and hands control back to the scheduler, which reports `what`.
@@ -336,8 +338,8 @@ inline void shared_access(const void* p, size_t bytes, bool write, const char* w
                           bool warp_wide = false) {
   if (!in_smem(p, bytes)) fail(std::string(what) + ": address outside the dynamic shared memory");
   Block& b = block();
-  const int tid = warp_wide ? kMany : static_cast<int>(self().tid.x);
-  const int w = static_cast<int>(self().tid.x) / kWarp;
+  const int tid = warp_wide ? kMany : self().linear;
+  const int w = self().linear / kWarp;
   const size_t off = static_cast<const unsigned char*>(p) - b.smem_base;
   for (size_t g = off / 4; g < (off + bytes + 3) / 4; ++g) {
     Granule& gr = b.shadow[g];
@@ -446,7 +448,7 @@ inline void cp_async_wait(int n) {
       const size_t g0 = (static_cast<unsigned char*>(c.dst) - b.smem_base) / 4;
       for (size_t g = g0; g < g0 + 4; ++g) {  // landed: written by this thread, now
         --b.shadow[g].in_flight;
-        record(b.shadow[g].write, static_cast<int>(f.tid.x), static_cast<int>(f.tid.x) / kWarp);
+        record(b.shadow[g].write, f.linear, f.linear / kWarp);
       }
     }
     f.groups.erase(f.groups.begin());
@@ -491,10 +493,10 @@ inline std::string run_block(unsigned b, dim3 grid, dim3 blockdim, size_t smem_b
                              const std::function<void()>& body) {
   Scheduler s;
   Block blk;
-  blk.idx = uint3{b, 0, 0};
+  blk.idx = uint3{b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
   blk.dim = blockdim;
   blk.grid = grid;
-  const int nthreads = static_cast<int>(blockdim.x);
+  const int nthreads = static_cast<int>(blockdim.x * blockdim.y * blockdim.z);
   blk.smem.assign(smem_bytes + 128, 0xFF);
   const auto addr = reinterpret_cast<uintptr_t>(blk.smem.data());
   blk.smem_base = blk.smem.data() + ((128 - addr % 128) % 128);
@@ -512,7 +514,9 @@ inline std::string run_block(unsigned b, dim3 grid, dim3 blockdim, size_t smem_b
   const size_t stack = stack_bytes();
   for (int t = 0; t < nthreads; ++t) {
     Fiber& f = s.fibers[t];
-    f.tid = uint3{static_cast<unsigned>(t), 0, 0};
+    const auto u = static_cast<unsigned>(t);  // x fastest, as the hardware numbers threads
+    f.tid = uint3{u % blockdim.x, u / blockdim.x % blockdim.y, u / (blockdim.x * blockdim.y)};
+    f.linear = t;
     f.lane = t % kWarp;
     f.stack.reset(new char[stack]);
     make_context(f.ctx, f.stack.get(), stack, fiber_entry);
@@ -543,16 +547,19 @@ inline std::string run_block(unsigned b, dim3 grid, dim3 blockdim, size_t smem_b
 
 // kernel<<<blocks, threads, smem>>>(args...), run on the host.
 template <typename... KArgs, typename... Args>
-void launch(void (*kernel)(KArgs...), unsigned blocks, unsigned threads, size_t smem_bytes,
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 blockdim, size_t smem_bytes,
             const Args&... args) {
   TORCH_CHECK(smem_bytes <= static_cast<size_t>(kSmemOptin), "emulated launch asks for ",
               smem_bytes, " bytes of shared memory");
+  const unsigned threads = blockdim.x * blockdim.y * blockdim.z;
+  TORCH_CHECK(threads >= 1 && threads <= 1024, "emulated launch of ", threads, " threads a block");
   const std::function<void()> body = [&]() { kernel(args...); };
-  const dim3 grid(blocks), blockdim(threads);
+  const unsigned blocks = grid.x * grid.y * grid.z;
   const char* env = std::getenv("FASTATTN_EMULATE_THREADS");
   unsigned workers = env != nullptr ? static_cast<unsigned>(std::atoi(env))
                                     : std::max(1u, std::thread::hardware_concurrency());
   workers = std::max(1u, std::min(workers, blocks));
+  if (blocks == 0) return;
   std::atomic<unsigned> next{0};
   std::mutex mu;
   std::string first_error;
@@ -579,6 +586,10 @@ void launch(void (*kernel)(KArgs...), unsigned blocks, unsigned threads, size_t 
 // The CUDA built-ins the kernels use, on top of the emulator.
 #undef __launch_bounds__
 #define __launch_bounds__(...)
+// A kernel's static __shared__ arrays: per OS thread, so per block (one runs at a time on each);
+// not NaN-filled and not seen by the race check (plain accesses).
+#undef __shared__
+#define __shared__ thread_local
 #define threadIdx (::fastattn::emulator::self().tid)
 #define blockIdx (::fastattn::emulator::block().idx)
 #define blockDim (::fastattn::emulator::block().dim)
@@ -600,5 +611,12 @@ inline unsigned __float_as_uint(float x) {
   std::memcpy(&u, &x, sizeof u);
   return u;
 }
+template <typename V>
+inline V __ldg(const V* p) {
+  return *p;
+}
+inline float __frcp_rn(float x) { return 1.f / x; }
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 using std::max;
 using std::min;

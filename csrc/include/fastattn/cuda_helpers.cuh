@@ -50,6 +50,8 @@
 #include <optional>
 
 #ifdef FASTATTN_CUDA_EMULATE
+#include <torch/extension.h>         // pybind11, for the emulated module's bindings
+
 #include "fastattn/cuda_emulator.h"  // the host build that runs the kernels in CI (no GPU)
 #endif
 
@@ -265,15 +267,41 @@ inline cudaStream_t current_stream(int device) {
   return c10::cuda::getCurrentCUDAStream(device).stream();
 }
 
-// kernel<<<blocks, threads, smem, stream>>>(args...), opting in to `smem` bytes of dynamic
-// shared memory first (needed above the default 48 KiB).
+// kernel<<<grid, block, smem, stream>>>(args...), checked.
 template <typename... KArgs, typename... Args>
-void launch_kernel(void (*kernel)(KArgs...), unsigned blocks, int threads, int smem,
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                    cudaStream_t stream, const Args&... args) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<blocks, threads, smem, stream>>>(args...);
+  kernel<<<grid, block, smem, stream>>>(args...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+// Lets `kernel` take `bytes` of dynamic shared memory (needed above 48 KiB with its static).
+template <typename Kernel>
+void opt_in_smem(Kernel kernel, int64_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(bytes)));
+}
+
+// The kernel's static shared memory, and how many of its blocks fit on one SM at once.
+template <typename Kernel>
+int64_t static_smem_bytes(Kernel kernel) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  return static_cast<int64_t>(attr.sharedSizeBytes);
+}
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int threads, int64_t smem_bytes) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+                                                               static_cast<size_t>(smem_bytes)));
+  return per_sm;
+}
+inline int sm_count(int device) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+inline int current_device() { return c10::cuda::current_device(); }
 #else
 // The emulated build (cuda_emulator.h): the "device" is the CPU, H100 limits, launches run on
 // the host.
@@ -287,11 +315,24 @@ struct DeviceGuard {
 };
 inline cudaStream_t current_stream(int) { return nullptr; }
 template <typename... KArgs, typename... Args>
-void launch_kernel(void (*kernel)(KArgs...), unsigned blocks, int threads, int smem, cudaStream_t,
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t,
                    const Args&... args) {
-  ::fastattn::emulator::launch(kernel, blocks, static_cast<unsigned>(threads),
-                               static_cast<size_t>(smem), args...);
+  ::fastattn::emulator::launch(kernel, grid, block, smem, args...);
 }
+template <typename Kernel>
+void opt_in_smem(Kernel, int64_t) {}
+template <typename Kernel>
+int64_t static_smem_bytes(Kernel) {
+  return 0;  // static __shared__ arrays live outside the emulated block's dynamic memory
+}
+template <typename Kernel>
+int blocks_per_sm(Kernel, int threads, int64_t smem_bytes) {  // the H100's limits
+  const int by_threads = 2048 / std::max(threads, 1);
+  const int by_smem = smem_bytes > 0 ? static_cast<int>(233472 / (smem_bytes + 1024)) : 32;
+  return std::max(0, std::min({by_threads, by_smem, 32}));
+}
+inline int sm_count(int) { return 132; }
+inline int current_device() { return 0; }
 #endif
 
 // A 1-D grid of `blocks` blocks, at least 1 and at most kMaxGridX: kernels launched with it either
@@ -304,17 +345,19 @@ inline unsigned grid_1d(int64_t blocks) {
 }  // namespace cuda_helpers
 }  // namespace fastattn
 
-// The block's dynamic shared memory as `unsigned char NAME[]`, 16-byte aligned.
+// The block's dynamic shared memory as `TYPE NAME[]`, 16-byte aligned.
 #ifndef FASTATTN_CUDA_EMULATE
-#define FASTATTN_DYNAMIC_SMEM(NAME) extern __shared__ __align__(16) unsigned char NAME[]
+#define FASTATTN_DYNAMIC_SMEM(TYPE, NAME) extern __shared__ __align__(16) TYPE NAME[]
 #else
-#define FASTATTN_DYNAMIC_SMEM(NAME) unsigned char* const NAME = ::fastattn::emulator::block().smem_base
+#define FASTATTN_DYNAMIC_SMEM(TYPE, NAME) \
+  TYPE* const NAME = reinterpret_cast<TYPE*>(::fastattn::emulator::block().smem_base)
 #endif
 
 // Registers cuda::NAME_fwd_cuda and cuda::NAME_bwd_cuda (defined in the including file, inside
 // namespace fastattn) as the CUDA kernels of the schemas NAME_fwd and NAME_bwd of
-// csrc/fastattn.cpp. Used at namespace fastattn scope, once per op. The emulated build registers
-// nothing: its module (fastattn/aot/emulate.py) binds the functions itself.
+// csrc/fastattn.cpp. Used at namespace fastattn scope, once per op. The emulated build defines
+// fastattn::emulated_NAME(module) instead, which binds them as NAME_fwd / NAME_bwd of the
+// emulated module (csrc/emulate/module.cpp).
 #ifndef FASTATTN_CUDA_EMULATE
 #define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)             \
   TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {             \
@@ -322,5 +365,9 @@ inline unsigned grid_1d(int64_t blocks) {
     m.impl(#NAME "_bwd", &cuda::NAME##_bwd_cuda);     \
   }
 #else
-#define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)
+#define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)                  \
+  void emulated_##NAME(pybind11::module& m) {              \
+    m.def(#NAME "_fwd", &cuda::NAME##_fwd_cuda);           \
+    m.def(#NAME "_bwd", &cuda::NAME##_bwd_cuda);           \
+  }
 #endif

@@ -1,7 +1,8 @@
-"""The cuda attention kernels' test cases, shared by the GPU tests (test_cuda_kernels.py, the
-real kernels) and the emulated ones (test_cuda_emulated.py, the same device code run on the host
-by fastattn.aot.emulate): one table of shapes, masks and bands, one input builder, one check
-against the float64 reference."""
+"""The kernel tests' shared data and checks: the GPU tests of the CUDA kernels
+(test_cuda_kernels.py), the emulated ones (test_cuda_emulated.py, the same device code run on the
+host by fastattn.aot.emulate) and the Triton kernel tests (test_attention_kernel.py): tolerances,
+the attention cases (one table of shapes, masks and bands, one input builder, one check against
+the float64 reference), the FFN's activations, and the float64 comparison `close`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def close(name, got, want, tol):
     err = float(np.abs(g - want).max()) if want.size else 0.0
     assert err <= tol * scale, f"{name}: max abs error {err:.3g} > {tol * scale:.3g}"
 
+
+# Softmax: per dtype, on max |got - want| / max(1, max |want|) (dx: 4x, dmask: 8x).
+SM_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+# The FFN's activations (w1 is (2F, D) for the gated ones).
+ACTS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
 
 ATT_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 

@@ -1,0 +1,3 @@
+// rope.cu compiled for the host on the emulator (see attention.cpp).
+#define FASTATTN_CUDA_EMULATE 1
+#include "../cuda/rope.cu"
