@@ -274,6 +274,7 @@ CONTROLS = {
     # which side of a race is reported depends on the emulator's thread order
     "raw_race": "race: st_shared writes .* read by thread 31 with no barrier",
     "war_race": "race: ldmatrix reads .* written by thread 63 with no barrier",
+    "waw_race": "race: st_shared writes .* written by thread 0 with no barrier",
     "read_in_flight": "while a cp.async to it is in flight",
     "exit_in_flight": "returned with cp.async copies in flight",
     "read_unwritten": "which nobody wrote",

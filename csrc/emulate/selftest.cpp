@@ -32,6 +32,17 @@ __global__ void raw_race(const Args p) {
   p.out[t] = ld_shared<float>(s + (63 - t));
 }
 
+// Two threads of different warps write one word, with (ok) or without a barrier between.
+__global__ void waw_race(const Args p) {
+  FASTATTN_DYNAMIC_SMEM(unsigned char, smem);
+  float* s = reinterpret_cast<float*>(smem);
+  const int t = threadIdx.x;
+  if (t == 0) st_shared(s, 1.f);
+  if (p.ok) __syncthreads();
+  if (t == 32) st_shared(s, 2.f);
+  p.out[t] = 0.f;
+}
+
 // A warp reads a tile with ldmatrix while another warp's cp.async refills it; ok: a barrier
 // between, as the kernels' second barrier per key tile.
 __global__ void war_race(const Args p) {
@@ -150,6 +161,7 @@ at::Tensor run(const std::string& name, bool ok, const at::Tensor& a, const at::
     launch_kernel(kernel, 1, threads, 4096, nullptr, p);
   };
   if (name == "raw_race") go(raw_race, 64);
+  else if (name == "waw_race") go(waw_race, 64);
   else if (name == "war_race") go(war_race, 64);
   else if (name == "read_in_flight") go(read_in_flight, 64);
   else if (name == "exit_in_flight") go(exit_in_flight, 64);

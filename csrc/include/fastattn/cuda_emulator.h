@@ -23,8 +23,8 @@
 // - shared-memory races, by happens-before, as compute-sanitizer's racecheck does: every 4-byte
 //   granule remembers its last write and reads (thread, warp, the block's barrier count, the
 //   warp's __syncwarp count). A read (ldmatrix, ld_shared) of a granule another thread wrote, or
-//   a write (cp.async, st_shared) to one another thread read, with no __syncthreads between (nor a
-//   __syncwarp, within a warp) is an error; so is any access to a granule with a cp.async to it
+//   a write (cp.async, st_shared) to one another thread read or wrote, with no __syncthreads
+//   between (nor a __syncwarp, within a warp) is an error; so is any access to a granule with a cp.async to it
 //   still in flight (issued, its group not yet waited for), and a read of a granule nobody wrote.
 //   It sees the accesses made through the emulator: ldmatrix, cp.async, and the plain ones the
 //   kernels make through st_shared / ld_shared (cuda_mma.cuh); other plain accesses go unchecked;
@@ -349,6 +349,10 @@ inline void shared_access(const void* p, size_t bytes, bool write, const char* w
       if (!ordered(gr.read, tid, w)) {
         fail(std::string("race: ") + what + " writes" + at + " read by " + describe(gr.read) +
              " with no barrier between");
+      }
+      if (!ordered(gr.write, tid, w)) {  // which write is last is up to the hardware's timing
+        fail(std::string("race: ") + what + " writes" + at + " written by " +
+             describe(gr.write) + " with no barrier between");
       }
       record(gr.write, tid, w);
     } else {

@@ -14,6 +14,10 @@
 // - MaskKind and mask_additive(): how every kernel reads a user mask (bool True = keep, or any
 //   floating dtype added) through its strides, as an additive value (0 / -inf for bool);
 // - host: argument checks, ceil_div and grid sizes, the opt-in shared-memory limit;
+// - host: everything a launcher asks of the CUDA runtime -- launch_kernel, opt_in_smem,
+//   DeviceGuard, current_stream, current_device, sm_count, blocks_per_sm, static_smem_bytes --
+//   and FASTATTN_DYNAMIC_SMEM for a kernel's dynamic shared memory: in one place, so that the
+//   emulated build (FASTATTN_CUDA_EMULATE, cuda_emulator.h) runs the same sources on the host;
 // - FASTATTN_CUDA_IMPL_FWD_BWD: the CUDA registration of an op's _fwd / _bwd schemas.
 //
 // Conventions: every global offset is int64_t; kernels that loop over rows or elements use
