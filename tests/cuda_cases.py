@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import fastattn
 from fastattn import reference as ref
 
 
@@ -120,6 +121,23 @@ def att_reference(case, q, k, v, dout, mask, seed):
     *_, D, _, causal, window, _, p = ATT_CASES[case]
     args = (np_of(q), np_of(k), np_of(v), mask_np(mask), D ** -0.5, causal, window, p, seed, True)
     return ref.attention(*args), ref.attention_backward(np_of(dout), *args)
+
+
+def att_run(case, dtype, device, backend, seed=1234, transposed=False):
+    """`case` through fastattn.attention on `backend` (autograd included): out, lse, the
+    gradients of q, k, v (and of a float mask), the reference's, and the mask."""
+    q, k, v, dout, mask = att_inputs(case, dtype, device, transposed)
+    *_, D, _, causal, window, _, p = ATT_CASES[case]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    leaves = [q, k, v]
+    if mask is not None and mask.is_floating_point():
+        mask.requires_grad_()
+        leaves.append(mask)
+    out, lse = fastattn.attention(q, k, v, mask, causal=causal, window=window, scale=D ** -0.5,
+                                  dropout_p=p, seed=seed, enable_gqa=True, return_lse=True,
+                                  backend=backend)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return out, lse, grads, att_reference(case, q, k, v, dout, mask, seed), mask
 
 
 def check_att(case, dtype, out, lse, grads, want):

@@ -18,11 +18,9 @@ import torch
 
 from fastattn import reference as ref
 from fastattn.reference import rope as ref_rope
-from fastattn.ops.attention import band
 
 import fastattn
-from cuda_cases import (ATT_CASES, ATT_TOL, SM_TOL, att_inputs, att_reference, check_att, close,
-                        np_of)
+from cuda_cases import ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close, np_of
 from test_nan import KERNEL_CASES, _check_kernel_case as check_kernel_case
 
 emulate = pytest.importorskip("fastattn.aot.emulate")
@@ -36,23 +34,10 @@ def kernels():
         pytest.skip(str(e))
 
 
-def _attention(kernels, case, q, k, v, dout, mask, seed=1234, need_dmask=None):
-    """The cuda ops' forward and backward as the backend contract calls them: the mask as a
-    (B, H, Lq, Lk) view; dmask summed back to the mask's shape."""
-    B, H, _, Lq, Lk, D, _, causal, window, _, p = ATT_CASES[case]
-    offset, left, right = band(Lq, Lk, causal, window)
-    view = None if mask is None else mask.expand(B, H, Lq, Lk)
-    scale = D ** -0.5
-    out, lse = kernels.attention_fwd(q, k, v, view, scale, offset, left, right, p, seed)
-    if need_dmask is None:
-        need_dmask = mask is not None and mask.is_floating_point()
-    dq, dk, dv, dmask = kernels.attention_bwd(dout, q, k, v, out, lse, view, scale, offset, left,
-                                              right, p, seed, need_dmask)
-    grads = [dq, dk, dv]
-    if need_dmask:
-        dims = [d for d in range(4) if mask.shape[d] == 1]
-        grads.append(dmask.sum(dim=dims, keepdim=True) if dims else dmask)
-    return out, lse, grads
+@pytest.fixture(scope="module")
+def backend(kernels):
+    """The emulated kernels as the attention backend "cuda_emulated" (autograd included)."""
+    return emulate.register()
 
 
 # Every case of the GPU tests in float16 with the default forward; bfloat16 and the 32-row
@@ -68,18 +53,12 @@ CASES += [pytest.param(c, dt, 32, id=f"{c}-{str(dt)[6:].replace('loat', '')}-row
 
 
 @pytest.mark.parametrize("case,dtype,rows", CASES)
-def test_emulated_attention_matches_reference(kernels, case, dtype, rows, monkeypatch):
+def test_emulated_attention_matches_reference(backend, case, dtype, rows, monkeypatch):
     if rows == 32:
         monkeypatch.setenv("FASTATTN_CUDA_FWD_ROWS", "32")
-    q, k, v, dout, mask = att_inputs(case, dtype, "cpu", transposed=case == "plain_d64")
-    out, lse, grads = _attention(kernels, case, q, k, v, dout, mask)
-    check_att(case, dtype, out, lse, grads, att_reference(case, q, k, v, dout, mask, 1234))
-
-
-@pytest.fixture(scope="module")
-def backend(kernels):
-    """The emulated kernels as the attention backend "cuda_emulated" (autograd included)."""
-    return emulate.register()
+    out, lse, grads, want, _ = att_run(case, dtype, "cpu", backend,
+                                       transposed=case == "plain_d64")
+    check_att(case, dtype, out, lse, grads, want)
 
 
 @pytest.mark.parametrize("rows", [16, 32])
@@ -112,13 +91,13 @@ def test_emulated_dropout_mask_is_the_shared_rng(backend, rows, monkeypatch):
         np.testing.assert_allclose(np_of(out), keep / ((1 - p) * L), rtol=ATT_TOL[torch.float16])
 
 
-def test_emulated_backward_is_deterministic(kernels):
-    case = "dropout_gqa"
-    q, k, v, dout, mask = att_inputs(case, torch.bfloat16, "cpu")
-    first = _attention(kernels, case, q, k, v, dout, mask, seed=11)
-    again = _attention(kernels, case, q, k, v, dout, mask, seed=11)
-    other = _attention(kernels, case, q, k, v, dout, mask, seed=12)
-    for a, b in zip([first[0], first[1], *first[2]], [again[0], again[1], *again[2]]):
+def test_emulated_backward_is_deterministic(backend):
+    def run(seed):
+        out, lse, grads, _, _ = att_run("dropout_gqa", torch.bfloat16, "cpu", backend, seed=seed)
+        return (out, lse, *grads)
+
+    first, again, other = run(11), run(11), run(12)
+    for a, b in zip(first, again):
         assert torch.equal(a, b)
     assert not torch.equal(first[0], other[0])
 

@@ -23,8 +23,8 @@ import fastattn
 from fastattn import reference as ref
 from fastattn.testing import assert_close_to_reference
 
-from cuda_cases import (ACTS, ATT_CASES, ATT_TOL, SM_TOL, att_inputs, att_reference, check_att,
-                        close as _close, mask_np as _mask_np, np_of as _np)
+from cuda_cases import (ACTS, ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close as _close,
+                        mask_np as _mask_np, np_of as _np)
 
 pytestmark = pytest.mark.gpu
 
@@ -258,18 +258,7 @@ def test_layer_norm_at_the_shared_memory_edges(dtype, n, affine):
 # =============================================================================================
 
 def _att_run(case, dtype, seed=1234, transposed=False):
-    q, k, v, dout, mask = att_inputs(case, dtype, DEV, transposed)
-    *_, D, _, causal, window, _, p = ATT_CASES[case]
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    leaves = [q, k, v]
-    if mask is not None and mask.is_floating_point():
-        mask.requires_grad_()
-        leaves.append(mask)
-    out, lse = fastattn.attention(q, k, v, mask, causal=causal, window=window, scale=D ** -0.5,
-                                  dropout_p=p, seed=seed, enable_gqa=True, return_lse=True,
-                                  backend="cuda")
-    grads = torch.autograd.grad(out, leaves, dout)
-    return out, lse, grads, att_reference(case, q, k, v, dout, mask, seed), mask
+    return att_run(case, dtype, DEV, "cuda", seed, transposed)
 
 
 # The forward's rows per warp: 16 (the default configs) and 32 (Configs<DP>::FwdWide, two m16
