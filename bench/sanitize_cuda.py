@@ -13,7 +13,7 @@ The calls are forward + backward of softmax (warp path, cached and uncached bloc
 causal), ffn (plain and gated activations, odd sizes) and attention (the three head-dim buckets,
 odd lengths, GQA, masks, band, dropout, fully masked rows, empty keys, and several
 query blocks x key tiles so the cp.async pipeline turns over; then again with the forward on
-32 rows a warp), kept small so the
+32 rows a warp) and varlen attention (packed sequences, empty ones included), kept small so the
 sanitizer (10-100x slower) finishes in a minute or two. Each output is checked to be finite
 (a cheap guard that also forces the kernels to have run).
 """
@@ -106,6 +106,29 @@ def attention_calls(gen, dev):
         _finite("lse", lse)
 
 
+def varlen_calls(gen, dev):
+    """Packed sequences (the kernels' PACKED instances): empty query and key sequences, GQA,
+    bottom-right causal, several query blocks in the longest, a grid past every sequence."""
+    import fastattn
+
+    lens_q, lens_k = [70, 0, 5, 130], [90, 4, 0, 130]
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                            device=dev)
+
+    for D, max_q, p in ((64, None, 0.0), (128, 200, 0.1), (256, None, 0.0)):
+        q = torch.randn(sum(lens_q), 4, D, generator=gen).half().to(dev).requires_grad_()
+        k = torch.randn(sum(lens_k), 2, D, generator=gen).half().to(dev).requires_grad_()
+        v = torch.randn(sum(lens_k), 2, D, generator=gen).half().to(dev).requires_grad_()
+        out, lse = fastattn.varlen_attention(q, k, v, cu(lens_q), cu(lens_k), max_q, None,
+                                             causal="bottom_right", dropout_p=p, seed=3,
+                                             return_lse=True, backend="cuda")
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        _finite("varlen", out, *grads)
+        _finite("lse", lse)
+
+
 def wide_forward_calls(gen, dev):
     """The attention calls again with the forward on 32 rows a warp (FASTATTN_CUDA_FWD_ROWS=32,
     read by the extension at each call; head dims up to 128 take it): Q re-read from shared
@@ -130,6 +153,7 @@ def workload():
     softmax_calls(gen, dev)
     ffn_calls(gen, dev)
     attention_calls(gen, dev)
+    varlen_calls(gen, dev)
     wide_forward_calls(gen, dev)
     torch.cuda.synchronize()
     print("sanitize_cuda: workload done")

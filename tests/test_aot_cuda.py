@@ -41,10 +41,10 @@ def test_setup_flags_are_the_ones_setup_py_builds_with():
 
 def test_attention_symbols_carry_their_dynamic_shared_memory():
     pretty = ("void fastattn::cuda::(anonymous namespace)::attn_fwd_kernel<c10::Half, "
-              "fastattn::cuda::(anonymous namespace)::FwdCfg<128, 128, 64, true>, 98304>"
+              "fastattn::cuda::(anonymous namespace)::FwdCfg<128, 128, 64, true>, false, 98304>"
               "(fastattn::cuda::(anonymous namespace)::AttnParams)")
     base, args, smem = cuda.split_name("_ZN...", pretty)
-    assert (base, args, smem) == ("attn_fwd_kernel", "Half,FwdCfg<128,128,64,1>", 98304)
+    assert (base, args, smem) == ("attn_fwd_kernel", "Half,FwdCfg<128,128,64,1>,0", 98304)
     base, args, smem = cuda.split_name("_Z", "void fastattn::cuda::(anonymous namespace)::"
                                        "softmax_fwd_warp_kernel<float, 4, 8>(FwdParams)")
     assert (base, args, smem) == ("softmax_fwd_warp_kernel", "float,4,8", 0)
@@ -57,6 +57,11 @@ def test_attention_kernels_must_use_ldmatrix_cp_async_and_mma():
     assert row.status == "FAIL" and "ldmatrix" in row.problems[0]
     assert cuda.rule_for("rope_kernel").spill_budget == 0
     assert all(r.reason for r in cuda.KERNEL_RULES if r.spill_budget), "a budget needs a reason"
+    # the dense instances may not spill; the packed (varlen) ones a few words, as written
+    assert cuda.rule_for("attn_fwd_kernel", "FwdCfg<128,128,64,1,1>,0").spill_budget == 0
+    packed = cuda.rule_for("attn_bwd_dq_kernel", "BwdQCfg<128,64,64,1>,1")
+    assert 0 < packed.spill_budget <= 64 and set(packed.required) == set(rule.required)
+    assert cuda.rule_for("attn_bwd_dkdv_kernel", "BwdKVCfg<64,64,64>,1").spill_budget == 0
 
 
 def test_ffn_activation_kernels_must_not_use_tanh_approx():

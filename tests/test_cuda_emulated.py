@@ -1,6 +1,7 @@
 """The cuda backend's kernels RUN without a GPU: csrc/cuda/*.cu's device code, compiled for the
 host on the SIMT emulator (fastattn.aot.emulate, cuda_emulator.h), against the float64 reference;
-attention on the GPU tests' own cases (cuda_cases.py), the other ops on each of their paths.
+attention on the GPU tests' own cases (cuda_cases.py), packed (varlen) attention on
+test_varlen.py's, the other ops on each of their paths.
 
 What this proves before a GPU does: the fragment maps of ldmatrix and mma.sync as the kernels
 use them, the swizzled tile addresses, the cp.async double buffers (a copy lands only at its
@@ -22,6 +23,8 @@ from fastattn.reference import rope as ref_rope
 import fastattn
 from cuda_cases import ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close, np_of
 from test_nan import KERNEL_CASES, _check_kernel_case as check_kernel_case
+from test_varlen import CASES as VARLEN_CASES, _ids as varlen_id, _packed, check_dropout, \
+    check_fully_masked_rows, check_varlen
 
 emulate = pytest.importorskip("fastattn.aot.emulate")
 
@@ -134,6 +137,42 @@ def test_emulated_empty_keys(backend):
     assert torch.isneginf(lse).all()
     (dq,) = torch.autograd.grad(out, (q,), torch.ones_like(out))
     assert not dq.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences (varlen_attention): the same kernels, each CTA narrowed to its
+# sequence by seq_view(), on test_varlen.py's cases and checks.
+
+# (The 32-row forward is not built for packed launches: FASTATTN_CUDA_FWD_ROWS leaves them be.)
+VARLEN = [pytest.param(c, torch.float16, id=f"{varlen_id(c)}-f16") for c in VARLEN_CASES]
+VARLEN += [pytest.param(VARLEN_CASES[1], torch.bfloat16, id=f"{varlen_id(VARLEN_CASES[1])}-bf16")]
+
+
+@pytest.mark.parametrize("case,dtype", VARLEN)
+def test_emulated_varlen_matches_reference(backend, case, dtype):
+    check_varlen(backend, "cpu", case, dtype)
+
+
+def test_emulated_varlen_grid_past_every_sequence(backend):
+    """max_seqlen above every length: CTAs past their sequence's end exit before any barrier."""
+    check_varlen(backend, "cpu", VARLEN_CASES[1], torch.float16, max_seqlens=(150, 200))
+
+
+def test_emulated_varlen_fully_masked_rows_and_dropout(backend):
+    check_fully_masked_rows(backend, "cpu", torch.float16)
+    check_dropout(backend, "cpu", torch.bfloat16)
+
+
+def test_emulated_varlen_bad_cu_seqlens_stay_in_bounds(kernels):
+    """The op trusts cu_seqlens' values (the public function checks them, on the host); a
+    sequence past the totals is left empty rather than read or written out of bounds, and the
+    valid ones are unaffected."""
+    q, k, v, cu_q, cu_k = _packed([5, 2], [4, 3], 2, 2, 16, 16, "cpu", torch.float16)
+    bad_q = torch.tensor([0, 5, 90], dtype=torch.int32)
+    out, lse = kernels.varlen_attention_fwd(q, k, v, bad_q, cu_k, 90, 4, 0.25, False, 9, 9, 0.0, 0)
+    want, want_lse = ref.varlen_attention(np_of(q), np_of(k), np_of(v), cu_q, cu_k, scale=0.25)
+    close("out", out[:5], want[:5], ATT_TOL[torch.float16])
+    close("lse", lse[:, :5], want_lse[:, :5], ATT_TOL[torch.float16])
 
 
 # ---------------------------------------------------------------------------------------------

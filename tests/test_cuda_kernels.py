@@ -25,6 +25,8 @@ from fastattn.testing import assert_close_to_reference
 
 from cuda_cases import (ACTS, ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close as _close,
                         mask_np as _mask_np, np_of as _np)
+from test_varlen import CASES as VARLEN_CASES, _ids as _varlen_id, _packed, check_dropout, \
+    check_fully_masked_rows, check_varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -403,3 +405,32 @@ def test_opcheck_attention():
     _opcheck(torch.ops.fastattn.attention_bwd.default,
              (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, mask, 0.2, 14,
               80, 0, 0.1, 7, True))
+
+
+def test_opcheck_varlen_attention():
+    q, k, v, cu_q, cu_k = _packed([5, 0, 17], [9, 3, 17], 4, 2, 40, 24, DEV, torch.bfloat16)
+    args = (q, k, v, cu_q, cu_k, 17, 17, 0.2, True, 6, 0, 0.0, 0)
+    _opcheck(torch.ops.fastattn.varlen_attention_fwd.default, args)
+    out, lse = torch.ops.fastattn.varlen_attention_fwd(q.detach(), k.detach(), v.detach(), *args[3:])
+    _opcheck(torch.ops.fastattn.varlen_attention_bwd.default,
+             (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, *args[3:11], 0.1, 7))
+
+
+# =============================================================================================
+# varlen_attention (packed sequences): the attention kernels' PACKED instances
+# =============================================================================================
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=_varlen_id)
+def test_cuda_varlen_matches_reference(case, dtype):
+    check_varlen("cuda", DEV, case, dtype)
+
+
+def test_cuda_varlen_grid_past_every_sequence():
+    check_varlen("cuda", DEV, VARLEN_CASES[1], torch.float16, max_seqlens=(150, 200))
+
+
+def test_cuda_varlen_fully_masked_rows_and_dropout():
+    check_fully_masked_rows("cuda", DEV, torch.float16)
+    check_dropout("cuda", DEV, torch.bfloat16)

@@ -1,5 +1,7 @@
 // Fused scaled dot-product attention, forward and backward (CUDA backend):
-// fastattn::attention_fwd / attention_bwd. FlashAttention-2 recipe: no (Lq, Lk) buffer (except
+// fastattn::attention_fwd / attention_bwd, and varlen_attention_fwd / _bwd for packed sequences
+// of different lengths (the same kernels' PACKED instances, each CTA narrowed to its sequence by
+// seq_view; docs/cuda_attention.md). FlashAttention-2 recipe: no (Lq, Lk) buffer (except
 // dmask, an output), tensor cores through PTX mma.sync.m16n8k16 fed by ldmatrix, tiles brought to
 // shared memory by cp.async into XOR-swizzled layouts, no cuBLAS, no atomics.
 //
@@ -124,6 +126,15 @@ constexpr int kMaxHeadDim = 256;
 constexpr int64_t kMaxSeqLen = int64_t{1} << 29;
 constexpr int kSm80SmemOptin = 166912;  // 163 KB: the largest opt-in shared memory on sm_80
 
+// Element (b, h, i) of a (batch, head, row)-strided tensor: an output's or a statistic's
+// layout, dense (contiguous (B, H, L, ·)) or packed ((total, H, ·), batch stride 0).
+struct Rows {
+  int64_t sb, sh, sl;
+  __host__ __device__ __forceinline__ int64_t at(int64_t b, int64_t h, int64_t i) const {
+    return b * sb + h * sh + i * sl;
+  }
+};
+
 struct AttnParams {
   // Inputs (16-bit element patterns), strides in elements for (batch, head, row).
   const uint16_t* q;
@@ -146,22 +157,78 @@ struct AttnParams {
   uint32_t threshold;
   float rcp_keep;  // 1 / (1 - p); 1 without dropout
 
-  // Forward outputs: out (B, H, Lq, Dv) and lse (B, H, Lq), contiguous.
+  // Forward outputs: out (B, H, Lq, Dv) and lse (B, H, Lq); packed: (total_q, H, Dv) and
+  // (H, total_q). Element (b, h, i) of a statistic (lse, lse_in, delta) is at st.at(b, h, i).
   uint16_t* out;
+  Rows out_s;
   float* lse;
+  Rows st;
 
   // Backward inputs and outputs.
   const uint16_t* dout;
   int64_t do_sb, do_sh, do_sl;
   const uint16_t* o;  // the forward output
   int64_t o_sb, o_sh, o_sl;
-  const float* lse_in;  // (B, H, Lq) contiguous
-  float* delta;         // (B, H, Lq) scratch
-  uint16_t* dq;         // (B, H, Lq, D) contiguous
-  uint16_t* dk;         // (B, Hkv, Lk, D) contiguous
-  uint16_t* dv;         // (B, Hkv, Lk, Dv) contiguous
-  float* dmask;         // (B, H, Lq, Lk) contiguous, or nullptr
+  const float* lse_in;  // laid out as lse
+  float* delta;         // scratch, laid out as lse
+  uint16_t* dq;         // like q: (B, H, Lq, D) or (total_q, H, D), strides dq_s
+  uint16_t* dk;         // like k: (B, Hkv, Lk, D) or (total_k, Hkv, D), strides dk_s
+  uint16_t* dv;         // like v, with Dv, strides dv_s
+  Rows dq_s, dk_s, dv_s;
+  float* dmask;         // (B, H, Lq, Lk) contiguous, or nullptr (never with packed sequences)
+
+  // Packed variable-length sequences (varlen_attention): sequence b is rows cu_q[b] ..
+  // cu_q[b + 1] of q, dout, out, dq (and of lse's row axis), rows cu_k[b] .. of k, v, dk, dv;
+  // nullptr for a batch. The launch's Lq / Lk are the longest lengths (they size the grid), its
+  // batch strides are 0, and each CTA narrows p to its sequence with seq_view<true>() (the tile
+  // kernels' PACKED instances: the dense ones keep every length and pointer in the constant
+  // bank, where a runtime switch cost up to 40 registers and spills). The band of a
+  // sequence comes from its own lengths: offset Lk_b - Lq_b when bottom_right, else 0.
+  const int* cu_q;
+  const int* cu_k;
+  int total_q, total_k;
+  bool bottom_right;
+  int left, right;  // clamped to max Lq + max Lk + 1
+  // The sequence's first query / key row in the outputs and statistics (seq_view sets them;
+  // 0 for a batch). Its inputs' pointers move instead: they are the tile loads' bases anyway,
+  // while one int a side, not a pointer a tensor, is what the packed kernels can afford to keep.
+  int q0, k0;
 };
+
+// Sequence b's params: the dense batch's p unchanged; of a packed launch, the input pointers
+// moved to the sequence's first row, q0 / k0 that row for the outputs, Lq / Lk its lengths and
+// the band from them. Everything
+// after it -- bounds, whole tiles, the band, dropout's counter i Lk + j -- is the dense code.
+// (Dense: the launch's params themselves, not a copy, so that they stay in the constant bank.)
+template <bool PACKED>
+__device__ __forceinline__ std::conditional_t<PACKED, AttnParams, const AttnParams&> seq_view(
+    const AttnParams& launch, int b) {
+  if constexpr (!PACKED) {
+    return launch;
+  } else {
+    AttnParams p = launch;
+    const int q0 = p.cu_q[b], k0 = p.cu_k[b];
+    p.Lq = p.cu_q[b + 1] - q0;
+    p.Lk = p.cu_k[b + 1] - k0;
+    // cu_seqlens the public function refuses (decreasing, past the totals, longer than the
+    // launch's max) leave the sequence empty (its rows unwritten): never an access out of bounds.
+    if (q0 < 0 || p.Lq < 0 || q0 + p.Lq > p.total_q || p.Lq > launch.Lq || k0 < 0 || p.Lk < 0 ||
+        k0 + p.Lk > p.total_k || p.Lk > launch.Lk) {
+      p.Lq = p.Lk = 0;
+      return p;
+    }
+    const int offset = p.bottom_right ? p.Lk - p.Lq : 0;
+    p.band_lo = offset - p.left;
+    p.band_hi = offset + p.right;
+    p.q += q0 * p.q_sl;
+    p.k += k0 * p.k_sl;
+    p.v += k0 * p.v_sl;
+    p.dout += q0 * p.do_sl;
+    p.q0 = q0;
+    p.k0 = k0;
+    return p;
+  }
+}
 
 
 using ::fastattn::cuda_layout::AccTile;
@@ -679,7 +746,7 @@ struct CarefulQuery {
 // then l = sum exp2(S - m) and out = sum exp2(S - m) Z v / l. A dead row outputs sum 0 * Z v
 // (0, or NaN from an attended non-finite v) and lse -inf.
 template <typename M16, int DP>
-__device__ void fwd_row_careful(const AttnParams& p, int64_t bh, int b, int h, int i,
+__device__ void fwd_row_careful(const AttnParams& p, int b, int h, int i,
                                 uint32_t stream, int lane) {
   constexpr int U = DP / 32;
   const CarefulQuery<M16, DP> row(p, b, h, i, lane);
@@ -698,13 +765,13 @@ __device__ void fwd_row_careful(const AttnParams& p, int64_t bh, int b, int h, i
                         lane);
     }
   }
-  uint16_t* out = p.out + (bh * p.Lq + i) * p.Dv;
+  uint16_t* out = p.out + p.out_s.at(b, h, p.q0 + i);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int d = lane + 32 * u;
     if (d < p.Dv) out[d] = M16::from_float(dead ? acc[u] : acc[u] / l);
   }
-  if (lane == 0) p.lse[bh * p.Lq + i] = dead ? -INFINITY : (m + log2f(l)) * kLn2;
+  if (lane == 0) p.lse[p.st.at(b, h, p.q0 + i)] = dead ? -INFINITY : (m + log2f(l)) * kLn2;
 }
 
 // dQ, careful: dq[i] of query i of (b, h), and the dmask entries of its visible keys (dS where
@@ -714,8 +781,8 @@ __device__ void dq_row_careful(const AttnParams& p, int64_t bh, int b, int h, in
                                uint32_t stream, int lane) {
   constexpr int U = DP / 32;
   const CarefulQuery<M16, DP> row(p, b, h, i, lane);
-  const float lse2 = p.lse_in[bh * p.Lq + i] * kLog2e;
-  const float delta = p.delta[bh * p.Lq + i];
+  const float lse2 = p.lse_in[p.st.at(b, h, p.q0 + i)] * kLog2e;
+  const float delta = p.delta[p.st.at(b, h, p.q0 + i)];
   float dod[U], acc[U] = {};
   load_row_features<M16, DP>(dod, p.dout + b * p.do_sb + h * p.do_sh + int64_t{i} * p.do_sl,
                              p.Dv, lane);
@@ -729,7 +796,7 @@ __device__ void dq_row_careful(const AttnParams& p, int64_t bh, int b, int h, in
     }
     if (dmask_row != nullptr && lane == 0) dmask_row[j] = ds;
   }
-  uint16_t* dq = p.dq + (bh * p.Lq + i) * p.D;
+  uint16_t* dq = p.dq + p.dq_s.at(b, h, p.q0 + i);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int d = lane + 32 * u;
@@ -749,13 +816,12 @@ __device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int 
   query_range(p, j, 1, i_begin, i_end);
   for (int gi = 0; gi < p.group; ++gi) {
     const int h = hk * p.group + gi;
-    const int64_t bh = int64_t{b} * p.H + h;
     const uint16_t* q_base = p.q + b * p.q_sb + h * p.q_sh;
     const uint16_t* do_base = p.dout + b * p.do_sb + h * p.do_sh;
     const int64_t mask_base = b * p.m_sb + h * p.m_sh + int64_t{j} * p.m_sk;
     const uint32_t stream = dropout_stream(p.seed, b, h, p.H);
     for (int i = i_begin; i < i_end; ++i) {
-      const float lse2 = p.lse_in[bh * p.Lq + i] * kLog2e;
+      const float lse2 = p.lse_in[p.st.at(b, h, p.q0 + i)] * kLog2e;
       const uint16_t* q_row = q_base + int64_t{i} * p.q_sl;
       float s;
       if (lse2 == -INFINITY ||
@@ -767,11 +833,11 @@ __device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int 
       const float z = dropout_scale(p, stream, dropout_row_base(i, p.Lk), j);
       const float dp = warp_dot<M16, DP>(vd, do_row, p.Dv, lane);
       axpy_row<M16, DP>(adv, pr * z, do_row, p.Dv, lane);
-      axpy_row<M16, DP>(adk, pr * (dp * z - p.delta[bh * p.Lq + i]), q_row, p.D, lane);
+      axpy_row<M16, DP>(adk, pr * (dp * z - p.delta[p.st.at(b, h, p.q0 + i)]), q_row, p.D, lane);
     }
   }
-  uint16_t* dk = p.dk + ((int64_t{b} * p.Hkv + hk) * p.Lk + j) * p.D;
-  uint16_t* dv = p.dv + ((int64_t{b} * p.Hkv + hk) * p.Lk + j) * p.Dv;
+  uint16_t* dk = p.dk + p.dk_s.at(b, hk, p.k0 + j);
+  uint16_t* dv = p.dv + p.dv_s.at(b, hk, p.k0 + j);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int d = lane + 32 * u;
@@ -780,7 +846,8 @@ __device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int 
   }
 }
 
-// The opening of the three tile kernels (template <typename T, typename Cfg, int SMEM_BYTES>):
+// The opening of the three tile kernels (template <typename T, typename Cfg, bool PACKED,
+// int SMEM_BYTES>; PACKED: a varlen launch, each CTA narrowed to its sequence by seq_view):
 // the symbol's shared memory checked against the launch's, the operand type, the tile shapes
 // and the dynamic shared memory.
 #define FASTATTN_ATTN_TILE_KERNEL_SETUP()                                                      \
@@ -793,16 +860,17 @@ __device__ void dkdv_key_careful(const AttnParams& p, int b, int hk, int j, int 
 // Forward. SMEM_BYTES == Cfg::SMEM: it is a template argument so that the symbol carries the
 // dynamic shared memory the launch asks for (the compile gate reports it).
 
-template <typename T, typename Cfg, int SMEM_BYTES>
-__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnParams p) {
+template <typename T, typename Cfg, bool PACKED, int SMEM_BYTES>
+__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnParams launch) {
   FASTATTN_ATTN_TILE_KERNEL_SETUP();
   using L = Swizzled<DP>;
   constexpr int MT = Cfg::MT, RW = Cfg::RW;  // m16 tiles and rows per warp
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* sKV = sQ + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
 
-  const QueryCta cta = query_cta(p, BM, RW);
-  const int64_t bh = cta.bh;
+  const QueryCta cta = query_cta(launch, BM, RW);
+  const AttnParams& p = seq_view<PACKED>(launch, cta.b);
+  if (PACKED && cta.m0 >= p.Lq) return;  // past its sequence's end (the whole CTA, no barrier yet)
   const int b = cta.b, h = cta.h, hk = cta.hk, m0 = cta.m0, lane = cta.w.lane, t = cta.w.t,
             wrow = cta.w.wrow;
   // The queries of this lane's rows: tile mt, accumulator row r (cta.i_row[] + 16 mt).
@@ -983,7 +1051,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
   if (__any_sync(0xffffffffu, is_nan(probe))) {  // NaN + anything is NaN (so is inf - inf)
     for (int row = 0; row < RW; ++row) {
       const int i = m0 + wrow + row;
-      if (i < p.Lq) fwd_row_careful<M16, DP>(p, bh, b, h, i, stream, lane);
+      if (i < p.Lq) fwd_row_careful<M16, DP>(p, b, h, i, stream, lane);
     }
     return;
   }
@@ -999,7 +1067,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
       const float l = quad_sum(l_run[mt][r]);
       inv[mt][r] = l > 0.f ? p.rcp_keep / l : 0.f;  // fully masked row: O = 0
       if (t == 0 && i_row[mt][r] < p.Lq) {
-        p.lse[bh * p.Lq + i_row[mt][r]] = l > 0.f ? (m_run[mt][r] + log2f(l)) * kLn2 : -INFINITY;
+        p.lse[p.st.at(b, h, p.q0 + i_row[mt][r])] =
+            l > 0.f ? (m_run[mt][r] + log2f(l)) * kLn2 : -INFINITY;
       }
     }
   }
@@ -1022,7 +1091,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_fwd_kernel(const AttnPa
     const int i = m0 + wrow + row, col = ch * 8;
     if (i >= p.Lq || col >= p.Dv) continue;
     const uint4 v = ld_shared<uint4>(sQ + L::chunk_offset(wrow + row, ch));
-    uint16_t* dst = p.out + (bh * p.Lq + i) * p.Dv + col;
+    uint16_t* dst = p.out + p.out_s.at(b, h, p.q0 + i) + col;
     if (vec_out) {
       *reinterpret_cast<uint4*>(dst) = v;
     } else {
@@ -1084,8 +1153,8 @@ __device__ __forceinline__ void by_tile_kind(bool whole, bool plain, F&& f) {
 // ---------------------------------------------------------------------------------------------
 // Backward 2/3: dK and dV, one CTA per (BN keys, b, kv head).
 
-template <typename T, typename Cfg, int SMEM_BYTES>
-__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const AttnParams p) {
+template <typename T, typename Cfg, bool PACKED, int SMEM_BYTES>
+__global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const AttnParams launch) {
   FASTATTN_ATTN_TILE_KERNEL_SETUP();
   using A = AccTile<DP>;
   uint16_t* sK = reinterpret_cast<uint16_t*>(smem_raw);
@@ -1097,11 +1166,13 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
 
   // Decoded here rather than by grid_block() / warp_rows(): with those, ptxas gives the DP = 256
   // variant 2 more registers (146, against 144; fastattn/aot/cuda.py).
-  const int num_kb = (p.Lk + BN - 1) / BN;
+  const int num_kb = (launch.Lk + BN - 1) / BN;
   const int kb = static_cast<int>(blockIdx.x % num_kb);
   const int64_t bhk = blockIdx.x / num_kb;
-  const int b = static_cast<int>(bhk / p.Hkv), hk = static_cast<int>(bhk % p.Hkv);
+  const int b = static_cast<int>(bhk / launch.Hkv), hk = static_cast<int>(bhk % launch.Hkv);
   const int n0 = kb * BN;
+  const AttnParams& p = seq_view<PACKED>(launch, b);
+  if (PACKED && n0 >= p.Lk) return;  // past its sequence's end (the whole CTA, no barrier yet)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane & 3;
   const int wrow = warp * 16;
   const int kr[2] = {wrow + (lane >> 2), wrow + (lane >> 2) + 8};  // local key rows
@@ -1135,7 +1206,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
                                 p.Lq, p.Dv, p.vec_do);
     const int i = m0 + static_cast<int>(threadIdx.x);
     if (threadIdx.x < BM && i < p.Lq) {
-      const int64_t row = (int64_t{b} * p.H + h) * p.Lq + i;
+      const int64_t row = p.st.at(b, h, p.q0 + i);
       lse_next = p.lse_in[row] * kLog2e;
       delta_next = p.delta[row];
     } else {
@@ -1259,8 +1330,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
     step(gi_next, bi_next);
   }
   cp_async_wait<0>();  // K / V landed even when no query block was visited
-  uint16_t* dk = p.dk + (int64_t{b} * p.Hkv + hk) * p.Lk * p.D;
-  uint16_t* dv = p.dv + (int64_t{b} * p.Hkv + hk) * p.Lk * p.Dv;
+  uint16_t* dk = p.dk + p.dk_s.at(b, hk, p.k0);
+  uint16_t* dv = p.dv + p.dv_s.at(b, hk, p.k0);
   float probe = 0.f;  // the sum of what this thread writes: NaN if any of it is NaN
   if constexpr (Cfg::ACC_IN_REGS) {
     // Lane (g, t) holds keys kr[0], kr[1] x columns dt * 8 + 2t, +1 of dK and dV.
@@ -1274,8 +1345,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
         for (int e = 0; e < 2; ++e) {
           const int c = dt * 8 + 2 * t + e;
           const float gk = acc_dk[dt][2 * r + e] * p.scale, gv = acc_dv[dt][2 * r + e];
-          if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(gk);
-          if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(gv);
+          if (c < p.D) dk[j * p.dk_s.sl + c] = M16::from_float(gk);
+          if (c < p.Dv) dv[j * p.dv_s.sl + c] = M16::from_float(gv);
           probe += (c < p.D ? gk : 0.f) + (c < p.Dv ? gv : 0.f);
         }
       }
@@ -1288,8 +1359,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
       if (j >= p.Lk) continue;
       const float gk = ld_shared<float>(sdK + A::offset(r, c)) * p.scale,
                   gv = ld_shared<float>(sdV + A::offset(r, c));
-      if (c < p.D) dk[int64_t{j} * p.D + c] = M16::from_float(gk);
-      if (c < p.Dv) dv[int64_t{j} * p.Dv + c] = M16::from_float(gv);
+      if (c < p.D) dk[j * p.dk_s.sl + c] = M16::from_float(gk);
+      if (c < p.Dv) dv[j * p.dv_s.sl + c] = M16::from_float(gv);
       probe += (c < p.D ? gk : 0.f) + (c < p.Dv ? gv : 0.f);
     }
   }
@@ -1306,9 +1377,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, 1) attn_bwd_dkdv_kernel(const A
 // ---------------------------------------------------------------------------------------------
 // Backward 3/3: dQ (and dmask), one CTA per (BM queries, b, h).
 
-template <typename T, typename Cfg, int SMEM_BYTES>
+template <typename T, typename Cfg, bool PACKED, int SMEM_BYTES>
 __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
-    attn_bwd_dq_kernel(const AttnParams p) {
+    attn_bwd_dq_kernel(const AttnParams launch) {
   FASTATTN_ATTN_TILE_KERNEL_SETUP();
   using A = AccTile<DP>;
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
@@ -1316,7 +1387,9 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
   uint16_t* sKV = sdO + Cfg::Q_ELEMS;  // stage s: K at sKV + 2 s KV_ELEMS, V right after it
   float* sdQ = reinterpret_cast<float*>(sKV + Cfg::STAGES * 2 * Cfg::KV_ELEMS);
 
-  const QueryCta cta = query_cta(p, BM);
+  const QueryCta cta = query_cta(launch, BM);
+  const AttnParams& p = seq_view<PACKED>(launch, cta.b);
+  if (PACKED && cta.m0 >= p.Lq) return;  // past its sequence's end (the whole CTA, no barrier yet)
   const int64_t bh = cta.bh;
   const int b = cta.b, h = cta.h, hk = cta.hk, m0 = cta.m0, lane = cta.w.lane, t = cta.w.t,
             wrow = cta.w.wrow;
@@ -1336,8 +1409,8 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = i_row[r];
-    lse2[r] = i < p.Lq ? p.lse_in[bh * p.Lq + i] * kLog2e : -INFINITY;
-    delta[r] = i < p.Lq ? p.delta[bh * p.Lq + i] : 0.f;
+    lse2[r] = i < p.Lq ? p.lse_in[p.st.at(b, h, p.q0 + i)] * kLog2e : -INFINITY;
+    delta[r] = i < p.Lq ? p.delta[p.st.at(b, h, p.q0 + i)] : 0.f;
     mask_row[r] = b * p.m_sb + h * p.m_sh + int64_t{i} * p.m_sl;
     rng_row[r] = dropout_row_base(i, p.Lk);
   }
@@ -1415,7 +1488,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
   });
   cp_async_wait<0>();  // nothing may land after the CTA exits
   __syncthreads();     // every lane's dQ accumulators (or the zero fill) complete
-  uint16_t* dq = p.dq + bh * p.Lq * p.D;
+  uint16_t* dq = p.dq + p.dq_s.at(b, h, p.q0);
   float probe = 0.f;  // the sum of what this thread writes: NaN if any of it is NaN
   if constexpr (Cfg::ACC_IN_REGS) {
 #pragma unroll
@@ -1429,7 +1502,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
         for (int e = 0; e < 2; ++e) {
           if (c + e < p.D) {
             const float g = acc_dq[nd][2 * r + e] * p.scale;
-            dq[int64_t{i} * p.D + c + e] = M16::from_float(g);
+            dq[i * p.dq_s.sl + c + e] = M16::from_float(g);
             probe += g;
           }
         }
@@ -1441,7 +1514,7 @@ __global__ void __launch_bounds__(Cfg::NTHREADS, Cfg::MIN_CTAS)
       const int i = m0 + r;
       if (i < p.Lq && c < p.D) {
         const float g = ld_shared<float>(sdQ + A::offset(r, c)) * p.scale;
-        dq[int64_t{i} * p.D + c] = M16::from_float(g);
+        dq[i * p.dq_s.sl + c] = M16::from_float(g);
         probe += g;
       }
     }
@@ -1484,12 +1557,18 @@ void launch(Kernel kernel, int64_t blocks, int threads, int smem, const AttnPara
   launch_kernel(kernel, static_cast<unsigned>(blocks), threads, smem, stream, p);
 }
 
-void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
+// q, k, v, dout, out: on q's device, 4-D (batch, heads, length, head_dim) or, packed, 3-D
+// (total, heads, head_dim), a unit last stride, float16 / bfloat16 like q.
+void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q, bool packed = false) {
   check_cuda_tensor(t, name);
   check_device(t, q, name, "q");
-  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (batch, heads, length, head_dim), got shape ",
-              t.sizes());
-  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, name,
+  if (packed) {
+    TORCH_CHECK(t.dim() == 3, name, " must be 3-D (total, heads, head_dim), got shape ", t.sizes());
+  } else {
+    TORCH_CHECK(t.dim() == 4, name, " must be 4-D (batch, heads, length, head_dim), got shape ",
+                t.sizes());
+  }
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name,
               " must have a contiguous last dimension, got shape ", t.sizes(), " and strides ",
               t.strides());
   const auto dt = t.scalar_type();
@@ -1500,6 +1579,41 @@ void check_qkv(const at::Tensor& t, const char* name, const at::Tensor& q) {
               " must be float16 or bfloat16 for the cuda attention kernels, got ", dt, " (shape ",
               t.sizes(), ")");
   check_dtype(t, q.scalar_type(), name);
+}
+
+// The Rows of an output shaped like its input: dense (B, H, L, ·), packed (total, H, ·).
+Rows rows_of(const at::Tensor& t) {
+  return t.dim() == 4 ? Rows{t.stride(0), t.stride(1), t.stride(2)}
+                      : Rows{0, t.stride(1), t.stride(0)};
+}
+
+// The Rows of a statistic (unit row stride): dense (B, H, Lq), packed (H, total_q).
+Rows stat_rows(const at::Tensor& t) {
+  return t.dim() == 3 ? Rows{t.stride(0), t.stride(1), 1} : Rows{0, t.stride(0), 1};
+}
+
+// The scalars shared by the dense and packed params: scale and dropout.
+void set_scalars(AttnParams& p, double scale, double dropout_p, int64_t seed) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.dropout = dropout_p > 0.0;
+  p.seed = seed;
+  p.threshold = dropout_threshold(dropout_p);
+  p.rcp_keep = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
+}
+
+// Head counts and dims of q (.., H, .., D), k (Hkv, D) and v (Hkv, Dv), checked.
+void set_heads(AttnParams& p, int64_t H, int64_t Hkv, int64_t D, int64_t Dv) {
+  TORCH_CHECK((Hkv >= 1 && H % Hkv == 0) || (H == 0 && Hkv == 0),
+              "the number of query heads (", H, ") must be a multiple of the key/value heads (",
+              Hkv, ")");
+  TORCH_CHECK(D <= kMaxHeadDim && Dv <= kMaxHeadDim, "head dims up to ", kMaxHeadDim,
+              " are supported, got q/k head dim ", D, " and v head dim ", Dv);
+  TORCH_CHECK(H <= 0x7fffffff, "heads must fit in int32, got ", H);
+  p.H = static_cast<int>(H), p.Hkv = static_cast<int>(Hkv);
+  p.group = Hkv > 0 ? static_cast<int>(H / Hkv) : 1;
+  p.D = static_cast<int>(D), p.Dv = static_cast<int>(Dv);
 }
 
 // Validates q, k, v, mask and the scalars; fills the shared fields of AttnParams.
@@ -1515,18 +1629,14 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               ") for q of shape ", q.sizes(), ", got ", k.sizes());
   TORCH_CHECK(v.size(0) == B && v.size(1) == Hkv && v.size(2) == Lk, "v must have shape (", B,
               ", ", Hkv, ", ", Lk, ", Dv) for k of shape ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK((Hkv >= 1 && H % Hkv == 0) || (H == 0 && Hkv == 0),
-              "the number of query heads (", H, ") must be a multiple of the key/value heads (",
-              Hkv, ")");
-  TORCH_CHECK(D <= kMaxHeadDim && Dv <= kMaxHeadDim, "head dims up to ", kMaxHeadDim,
-              " are supported, got q/k head dim ", D, " and v head dim ", Dv);
   TORCH_CHECK(Lq <= kMaxSeqLen && Lk <= kMaxSeqLen, "sequence lengths up to ", kMaxSeqLen,
               " are supported, got Lq = ", Lq, ", Lk = ", Lk);
   TORCH_CHECK(B <= 0x7fffffff && H <= 0x7fffffff, "batch and heads must fit in int32, got ",
               q.sizes());
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
 
   AttnParams p{};
+  set_heads(p, H, Hkv, D, Dv);
+  set_scalars(p, scale, dropout_p, seed);
   p.q = reinterpret_cast<const uint16_t*>(q.const_data_ptr());
   p.k = reinterpret_cast<const uint16_t*>(k.const_data_ptr());
   p.v = reinterpret_cast<const uint16_t*>(v.const_data_ptr());
@@ -1549,20 +1659,12 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     p.m_sl = mask->stride(2), p.m_sk = mask->stride(3);
   }
 
-  p.B = static_cast<int>(B), p.H = static_cast<int>(H), p.Hkv = static_cast<int>(Hkv);
-  p.group = Hkv > 0 ? static_cast<int>(H / Hkv) : 1;
+  p.B = static_cast<int>(B);
   p.Lq = static_cast<int>(Lq), p.Lk = static_cast<int>(Lk);
-  p.D = static_cast<int>(D), p.Dv = static_cast<int>(Dv);
   // The band; a bound past +-(Lq + Lk) is equivalent to +-(Lq + Lk + 1), which fits in int32.
   const int64_t lim = Lq + Lk + 1;
   p.band_lo = static_cast<int>(std::clamp<int64_t>(offset - left, -lim, lim));
   p.band_hi = static_cast<int>(std::clamp<int64_t>(offset + right, -lim, lim));
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale) * kLog2e;
-  p.dropout = dropout_p > 0.0;
-  p.seed = seed;
-  p.threshold = dropout_threshold(dropout_p);
-  p.rcp_keep = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
   return p;
 }
 
@@ -1573,33 +1675,39 @@ bool wide_forward() {
   return rows != nullptr && std::strcmp(rows, "32") == 0;
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename Cfg, bool PACKED>
 void launch_fwd(const AttnParams& p, int device, cudaStream_t stream) {
   const int64_t blocks = ceil_div(p.Lq, Cfg::BM) * p.B * p.H;
-  launch(attn_fwd_kernel<T, Cfg, Cfg::SMEM>, blocks, Cfg::NTHREADS, Cfg::SMEM, p, device, stream,
-         "attention_fwd");
+  launch(attn_fwd_kernel<T, Cfg, PACKED, Cfg::SMEM>, blocks, Cfg::NTHREADS, Cfg::SMEM, p, device,
+         stream, "attention_fwd");
 }
 
-template <typename T, int DP>
+// PACKED: varlen launches, on the default configs only.
+template <typename T, int DP, bool PACKED>
 void run_fwd(const AttnParams& p, int device, cudaStream_t stream) {
-  if constexpr (DP <= 128) {
-    if (wide_forward()) return launch_fwd<T, typename Configs<DP>::FwdWide>(p, device, stream);
+  if constexpr (DP <= 128 && !PACKED) {
+    if (wide_forward()) {
+      return launch_fwd<T, typename Configs<DP>::FwdWide, false>(p, device, stream);
+    }
   }
-  launch_fwd<T, typename Configs<DP>::Fwd>(p, device, stream);
+  launch_fwd<T, typename Configs<DP>::Fwd, PACKED>(p, device, stream);
 }
 
-template <typename T, int DP>
+template <typename T, int DP, bool PACKED>
 void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
   using KV = typename Configs<DP>::KV;
   using Q = typename Configs<DP>::Q;
-  const int64_t rows = int64_t{p.B} * p.H * p.Lq;
+  // delta's rows: a packed launch's are one batch row of total_q queries (batch strides 0).
+  AttnParams by_row = p;
+  if (p.cu_q != nullptr) by_row.B = 1, by_row.Lq = p.total_q;
+  const int64_t rows = int64_t{by_row.B} * by_row.H * by_row.Lq;
   if (rows > 0) {
-    launch_kernel(attn_bwd_delta_kernel<T>, grid_1d(ceil_div(rows, 4)), 128, 0, stream, p);
+    launch_kernel(attn_bwd_delta_kernel<T>, grid_1d(ceil_div(rows, 4)), 128, 0, stream, by_row);
   }
-  launch(attn_bwd_dkdv_kernel<T, KV, KV::SMEM>, ceil_div(p.Lk, KV::BN) * p.B * p.Hkv, KV::NTHREADS,
-         KV::SMEM, p, device, stream, "attention_bwd (dK/dV)");
-  launch(attn_bwd_dq_kernel<T, Q, Q::SMEM>, ceil_div(p.Lq, Q::BM) * p.B * p.H, Q::NTHREADS, Q::SMEM, p,
-         device, stream, "attention_bwd (dQ)");
+  launch(attn_bwd_dkdv_kernel<T, KV, PACKED, KV::SMEM>, ceil_div(p.Lk, KV::BN) * p.B * p.Hkv,
+         KV::NTHREADS, KV::SMEM, p, device, stream, "attention_bwd (dK/dV)");
+  launch(attn_bwd_dq_kernel<T, Q, PACKED, Q::SMEM>, ceil_div(p.Lq, Q::BM) * p.B * p.H, Q::NTHREADS,
+         Q::SMEM, p, device, stream, "attention_bwd (dQ)");
 }
 
 // Runs the forward (kBwd false) or backward kernels of p on q's device and current stream, for
@@ -1612,10 +1720,17 @@ void run(const AttnParams& p, const at::Tensor& q) {
     using T = decltype(tag);
     with_head_bucket(std::max(p.D, p.Dv), [&](auto dp_const) {
       constexpr int DP = decltype(dp_const)::value;
-      if constexpr (kBwd) {
-        run_bwd<T, DP>(p, device, stream);
+      auto go = [&](auto packed) {
+        if constexpr (kBwd) {
+          run_bwd<T, DP, decltype(packed)::value>(p, device, stream);
+        } else {
+          run_fwd<T, DP, decltype(packed)::value>(p, device, stream);
+        }
+      };
+      if (p.cu_q != nullptr) {
+        go(std::true_type{});
       } else {
-        run_fwd<T, DP>(p, device, stream);
+        go(std::false_type{});
       }
     });
   };
@@ -1626,6 +1741,65 @@ void run(const AttnParams& p, const at::Tensor& q) {
   }
 }
 
+// The forward of p (inputs set) into out / lse (dense or packed).
+std::tuple<at::Tensor, at::Tensor> forward(AttnParams& p, const at::Tensor& q, at::Tensor out,
+                                           at::Tensor lse) {
+  if (lse.numel() == 0) return {out, lse};
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  p.out_s = rows_of(out);
+  p.lse = lse.data_ptr<float>();
+  p.st = stat_rows(lse);
+  run</*kBwd=*/false>(p, q);
+  return {out, lse};
+}
+
+// The backward of p (inputs set): dout, out and lse checked against q's layout (dense or
+// packed), dq / dk / dv allocated like q / k / v; dmask set by the caller.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(AttnParams& p, const at::Tensor& dout,
+                                                        const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v,
+                                                        const at::Tensor& out,
+                                                        const at::Tensor& lse) {
+  const bool packed = p.cu_q != nullptr;
+  std::vector<int64_t> o_shape = q.sizes().vec();
+  o_shape.back() = p.Dv;
+  for (const auto& [t, name] : {std::pair{&dout, "dout"}, std::pair{&out, "out"}}) {
+    check_qkv(*t, name, q, packed);
+    check_shape(*t, o_shape, name);
+  }
+  check_cuda_tensor(lse, "lse");
+  check_device(lse, q, "lse", "q");
+  if (packed) {
+    check_shape(lse, {p.H, p.total_q}, "lse");
+  } else {
+    check_shape(lse, {p.B, p.H, p.Lq}, "lse");
+  }
+  check_dtype(lse, at::kFloat, "lse");
+  check_contiguous(lse, "lse");
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), q.options());
+  at::Tensor dv = at::empty(v.sizes(), q.options());
+  at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
+
+  p.dout = reinterpret_cast<const uint16_t*>(dout.const_data_ptr());
+  const Rows dos = rows_of(dout), os = rows_of(out);
+  p.do_sb = dos.sb, p.do_sh = dos.sh, p.do_sl = dos.sl;
+  p.vec_do = is_aligned(p.dout, 16) && strides_multiple_of({p.do_sb, p.do_sh, p.do_sl}, 8);
+  p.o = reinterpret_cast<const uint16_t*>(out.const_data_ptr());
+  p.o_sb = os.sb, p.o_sh = os.sh, p.o_sl = os.sl;
+  p.lse_in = lse.const_data_ptr<float>();
+  p.st = stat_rows(lse);
+  p.delta = delta.data_ptr<float>();
+  p.dq = reinterpret_cast<uint16_t*>(dq.data_ptr());
+  p.dk = reinterpret_cast<uint16_t*>(dk.data_ptr());
+  p.dv = reinterpret_cast<uint16_t*>(dv.data_ptr());
+  p.dq_s = rows_of(dq), p.dk_s = rows_of(dk), p.dv_s = rows_of(dv);
+  run</*kBwd=*/true>(p, q);
+  return {dq, dk, dv};
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v,
                                                       const std::optional<at::Tensor>& mask,
@@ -1634,13 +1808,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
                                                       int64_t seed) {
   AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
   const DeviceGuard guard(q.device());
-  at::Tensor out = at::empty({p.B, p.H, p.Lq, p.Dv}, q.options());
-  at::Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
-  if (lse.numel() == 0) return {out, lse};
-  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
-  p.lse = lse.data_ptr<float>();
-  run</*kBwd=*/false>(p, q);
-  return {out, lse};
+  return forward(p, q, at::empty({p.B, p.H, p.Lq, p.Dv}, q.options()),
+                 at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat)));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
@@ -1649,45 +1818,107 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     double scale, int64_t offset, int64_t left, int64_t right, double dropout_p, int64_t seed,
     bool need_dmask) {
   AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
-  const std::vector<int64_t> o_shape{p.B, p.H, p.Lq, p.Dv};
-  for (const auto& [t, name] : {std::pair{&dout, "dout"}, std::pair{&out, "out"}}) {
-    check_qkv(*t, name, q);
-    check_shape(*t, o_shape, name);
-  }
-  check_cuda_tensor(lse, "lse");
-  check_device(lse, q, "lse", "q");
-  check_shape(lse, {p.B, p.H, p.Lq}, "lse");
-  check_dtype(lse, at::kFloat, "lse");
-  check_contiguous(lse, "lse");
-
   const DeviceGuard guard(q.device());
-  at::Tensor dq = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
-  at::Tensor dk = at::empty({p.B, p.Hkv, p.Lk, p.D}, q.options());
-  at::Tensor dv = at::empty({p.B, p.Hkv, p.Lk, p.Dv}, q.options());
   // Not asked for: an empty tensor of q's dtype, as the op's fake implementation returns.
   at::Tensor dmask = need_dmask ? at::zeros({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(at::kFloat))
                                 : at::empty({0}, q.options());
-  at::Tensor delta = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv, dmask};
-
-  p.dout = reinterpret_cast<const uint16_t*>(dout.const_data_ptr());
-  p.do_sb = dout.stride(0), p.do_sh = dout.stride(1), p.do_sl = dout.stride(2);
-  p.vec_do = is_aligned(p.dout, 16) && strides_multiple_of({p.do_sb, p.do_sh, p.do_sl}, 8);
-  p.o = reinterpret_cast<const uint16_t*>(out.const_data_ptr());
-  p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sl = out.stride(2);
-  p.lse_in = lse.const_data_ptr<float>();
-  p.delta = delta.data_ptr<float>();
-  p.dq = reinterpret_cast<uint16_t*>(dq.data_ptr());
-  p.dk = reinterpret_cast<uint16_t*>(dk.data_ptr());
-  p.dv = reinterpret_cast<uint16_t*>(dv.data_ptr());
   p.dmask = need_dmask && dmask.numel() > 0 ? dmask.data_ptr<float>() : nullptr;
-  run</*kBwd=*/true>(p, q);
+  auto [dq, dk, dv] = backward(p, dout, q, k, v, out, lse);
   return {dq, dk, dv, dmask};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed variable-length sequences (fastattn::varlen_attention_fwd / _bwd): the kernels above,
+// each CTA narrowed to its sequence by seq_view(); the grid is sized by the longest lengths.
+
+// cu_seqlens: int32, 1-D, contiguous, on q's device. Its values are the public function's to
+// check (reading them here would cost a device-to-host copy); seq_view() keeps bad ones in bounds.
+void check_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q) {
+  check_cuda_tensor(cu, name);
+  check_device(cu, q, name, "q");
+  TORCH_CHECK(cu.scalar_type() == at::kInt, name, " must be int32, got ", cu.scalar_type(),
+              " (shape ", cu.sizes(), ")");
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, name, " must be 1-D (batch + 1,), got shape ",
+              cu.sizes());
+  check_contiguous(cu, name);
+}
+
+AttnParams make_varlen_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                              int64_t max_k, double scale, bool bottom_right, int64_t left,
+                              int64_t right, double dropout_p, int64_t seed) {
+  check_qkv(q, "q", q, /*packed=*/true);
+  check_qkv(k, "k", q, /*packed=*/true);
+  check_qkv(v, "v", q, /*packed=*/true);
+  const int64_t total_q = q.size(0), total_k = k.size(0);
+  TORCH_CHECK(k.size(2) == q.size(2), "q and k head dims differ: q ", q.sizes(), ", k ",
+              k.sizes());
+  TORCH_CHECK(v.size(0) == total_k && v.size(1) == k.size(1), "v must have shape (", total_k,
+              ", ", k.size(1), ", Dv) for k of shape ", k.sizes(), ", got ", v.sizes());
+  check_cu_seqlens(cu_q, "cu_seqlens_q", q);
+  check_cu_seqlens(cu_k, "cu_seqlens_k", q);
+  TORCH_CHECK(cu_k.size(0) == cu_q.size(0), "cu_seqlens_q ", cu_q.sizes(), " and cu_seqlens_k ",
+              cu_k.sizes(), " must both be (batch + 1,)");
+  TORCH_CHECK(max_q >= 0 && max_k >= 0 && max_q <= kMaxSeqLen && max_k <= kMaxSeqLen,
+              "max_seqlen_q and max_seqlen_k must be in [0, ", kMaxSeqLen, "], got ", max_q,
+              " and ", max_k);
+  TORCH_CHECK(total_q <= 0x7fffffff && total_k <= 0x7fffffff,
+              "total lengths must fit in int32 (cu_seqlens is int32), got q ", q.sizes(), ", k ",
+              k.sizes());
+  TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
+
+  AttnParams p{};
+  set_heads(p, q.size(1), k.size(1), q.size(2), v.size(2));
+  set_scalars(p, scale, dropout_p, seed);
+  const Rows qs = rows_of(q), ks = rows_of(k), vs = rows_of(v);
+  p.q = reinterpret_cast<const uint16_t*>(q.const_data_ptr());
+  p.k = reinterpret_cast<const uint16_t*>(k.const_data_ptr());
+  p.v = reinterpret_cast<const uint16_t*>(v.const_data_ptr());
+  p.q_sb = qs.sb, p.q_sh = qs.sh, p.q_sl = qs.sl;
+  p.k_sb = ks.sb, p.k_sh = ks.sh, p.k_sl = ks.sl;
+  p.v_sb = vs.sb, p.v_sh = vs.sh, p.v_sl = vs.sl;
+  p.vec_q = is_aligned(p.q, 16) && strides_multiple_of({p.q_sh, p.q_sl}, 8);
+  p.vec_k = is_aligned(p.k, 16) && strides_multiple_of({p.k_sh, p.k_sl}, 8);
+  p.vec_v = is_aligned(p.v, 16) && strides_multiple_of({p.v_sh, p.v_sl}, 8);
+  p.mask_kind = MaskKind::kNone;
+  p.B = static_cast<int>(cu_q.size(0) - 1);
+  p.Lq = static_cast<int>(max_q), p.Lk = static_cast<int>(max_k);
+  p.cu_q = cu_q.const_data_ptr<int>();
+  p.cu_k = cu_k.const_data_ptr<int>();
+  p.total_q = static_cast<int>(total_q), p.total_k = static_cast<int>(total_k);
+  p.bottom_right = bottom_right;
+  const int64_t lim = max_q + max_k + 1;
+  p.left = static_cast<int>(std::min(left, lim));
+  p.right = static_cast<int>(std::min(right, lim));
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, double scale, bool bottom_right,
+    int64_t left, int64_t right, double dropout_p, int64_t seed) {
+  AttnParams p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
+                                    right, dropout_p, seed);
+  const DeviceGuard guard(q.device());
+  return forward(p, q, at::empty({q.size(0), p.H, p.Dv}, q.options()),
+                 at::empty({p.H, q.size(0)}, q.options().dtype(at::kFloat)));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k,
+    int64_t max_q, int64_t max_k, double scale, bool bottom_right, int64_t left, int64_t right,
+    double dropout_p, int64_t seed) {
+  AttnParams p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
+                                    right, dropout_p, seed);
+  const DeviceGuard guard(q.device());
+  return backward(p, dout, q, k, v, out, lse);
 }
 
 }  // namespace
 }  // namespace cuda
 
 FASTATTN_CUDA_IMPL_FWD_BWD(attention)
+FASTATTN_CUDA_IMPL_FWD_BWD(varlen_attention)
 
 }  // namespace fastattn

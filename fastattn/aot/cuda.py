@@ -46,6 +46,7 @@ class CudaToolsMissing(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class KernelRule:
     pattern: str                      # regex searched in the kernel's base name
+    config: str = ""                  # regex searched in its template arguments (after the dtype)
     spill_budget: int = 0             # bytes of spill stores + loads allowed
     required: tuple[str, ...] = ()    # SASS features it must hold
     forbidden: tuple[str, ...] = ()   # SASS features it must not hold
@@ -57,6 +58,13 @@ class KernelRule:
 KERNEL_RULES = (
     # operand addresses folded into the ldmatrix (cuda_layout.cuh, fragment_offset): 0.2-0.7
     # integer ops per ldmatrix today, 2.3-3.1 when each load computed its swizzled address
+    # The PACKED instances (varlen; last template argument 1) keep the sequence's lengths, band
+    # and first rows in registers where the dense ones read the constant bank: ptxas spills a
+    # few words (sm_90a, 2026-11-28: 24 B in the D256 forward, two 8-byte reloads a key tile;
+    # 44 B and 16 B in the D128 / D64 dQ, all outside the key loop)
+    KernelRule(r"^attn_(fwd|bwd_dq)_kernel$", config=r",1$", spill_budget=48,
+               required=("ldmatrix", "cp.async", "mma"), max_addr_ops=1.0,
+               reason="varlen instances: per-sequence lengths, band and rows held in registers"),
     KernelRule(r"^attn_(fwd|bwd_dkdv|bwd_dq)_kernel$", required=("ldmatrix", "cp.async", "mma"),
                max_addr_ops=1.0),
     KernelRule(r"^attn_bwd_delta_kernel$"),
@@ -140,9 +148,10 @@ def split_name(mangled: str, pretty: str) -> tuple[str, str, int]:
     return base, args, smem
 
 
-def rule_for(base: str) -> KernelRule:
+def rule_for(base: str, config: str = "") -> KernelRule:
+    """The first rule naming the kernel ``base`` with template arguments ``config``."""
     for rule in KERNEL_RULES:
-        if re.search(rule.pattern, base):
+        if re.search(rule.pattern, base) and re.search(rule.config, config):
             return rule
     return KernelRule(".*")
 
@@ -162,8 +171,8 @@ def compile_file(source: str, out_dir: str, archs: tuple[str, ...]) -> list[Row]
     rows = []
     for mangled, res in sorted(resources.items()):
         base, args, dyn = split_name(mangled, pretty[mangled])
-        rule = rule_for(base)
         dtype, _, rest = args.partition(",")  # the first template argument is the dtype
+        rule = rule_for(base, rest)
         rows.append(Row(
             kernel=base, case=f"{name} {dtype}".strip(), config=rest,
             regs=res["regs"], spill_stores=res["spill_stores"], spill_loads=res["spill_loads"],

@@ -13,8 +13,8 @@ sm_90a compiler stay for a GPU to show.
 ``<op>_bwd`` for attention, softmax, layer_norm, ffn (and ``rope_fwd``) take CPU tensors and the
 arguments of the ``fastattn::<op>_fwd`` / ``_bwd`` schemas (csrc/fastattn.cpp);
 ``selftest(name, ok, a, b)`` runs one of the emulator's own controls (csrc/emulate/selftest.cpp).
-``register()`` makes the attention ops the backend ``"cuda_emulated"``. It needs the CUDA headers
-(cuda_fp16.h, cuda_runtime.h; no GPU, no CUDA library is linked) and raises
+``register()`` makes the attention and varlen_attention ops the backend ``"cuda_emulated"``. It
+needs the CUDA headers (cuda_fp16.h, cuda_runtime.h; no GPU, no CUDA library is linked) and raises
 :class:`EmulatorUnavailable` without them.
 """
 
@@ -104,21 +104,43 @@ def _attention_function():
     return EmulatedAttention
 
 
+def _varlen_function():
+    import torch
+
+    from fastattn.ops import varlen
+    from fastattn.ops._library import Compiled
+
+    class EmulatedVarlen(torch.autograd.Function):
+        """The emulated varlen_attention ops under the registered op's own autograd formula
+        (fastattn/ops/varlen.py)."""
+
+        @staticmethod
+        def forward(ctx, *inputs):
+            out, lse = load().varlen_attention_fwd(*inputs)
+            varlen._setup_context(ctx, inputs, (out, lse))
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            return varlen._backward(Compiled(None, load().varlen_attention_bwd), ctx, dout, dlse)
+
+    return EmulatedVarlen
+
+
 @functools.lru_cache(maxsize=None)
 def register() -> str:
-    """Registers the emulated kernels as the attention backend ``"cuda_emulated"`` (CPU tensors,
-    float16 / bfloat16), so that tests written against ``fastattn.attention(..., backend=...)``
-    run the cuda backend's device code on the host; returns the name. Builds the module first."""
+    """Registers the emulated kernels as the backend ``"cuda_emulated"`` of attention and
+    varlen_attention (CPU tensors, float16 / bfloat16), so that tests written against
+    ``fastattn.attention(..., backend=...)`` run the cuda backend's device code on the host;
+    returns the name. Builds the module first."""
     import torch
 
     from fastattn import backends
 
     load()
-    function = _attention_function()
-
-    def attention(q, k, v, mask, scale, offset, left, right, dropout_p, seed):
-        return function.apply(q, k, v, mask, scale, offset, left, right, dropout_p, seed)
-
-    backends.register_backend("attention", BACKEND, attention, devices=("cpu",),
-                              dtypes=(torch.float16, torch.bfloat16))
+    for op, function in (("attention", _attention_function()),
+                         ("varlen_attention", _varlen_function())):
+        backends.register_backend(op, BACKEND, function.apply, devices=("cpu",),
+                                  dtypes=(torch.float16, torch.bfloat16))
     return BACKEND

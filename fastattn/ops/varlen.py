@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fastattn import backends
 from fastattn.ops._library import as_float, check_like, define_op, eager_fast_path, last_dim_contiguous, triton_kernels
-from fastattn.ops.attention import _CAUSAL, _DTYPES, _naive as _naive_attention
+from fastattn.ops.attention import _CAUSAL, _DTYPES, _within, _naive as _naive_attention
 
 _DROPOUT_STREAM = 0x9E3779B9
 
@@ -169,11 +169,12 @@ def _triton_paged(
 _kernels = triton_kernels("varlen")
 define_op("varlen_attention", fake_fwd=_fake_varlen_fwd, fake_bwd=_fake_varlen_bwd,
           setup_context=_setup_context, backward=_backward, triton_fwd=_triton_fwd,
-          triton_bwd=_triton_bwd, naive=_naive_varlen)
+          triton_bwd=_triton_bwd, naive=_naive_varlen,
+          # csrc/cuda/attention.cu (the dense kernels, narrowed per sequence): 16-bit inputs only
+          caps={"cuda": dict(dtypes=(torch.float16, torch.bfloat16), limits=_within(256, 1 << 29))})
 define_op("paged_attention", fake_fwd=_fake_paged_fwd, triton_fwd=_triton_paged, naive=_naive_paged)
-for _op in ("varlen_attention", "paged_attention"):
-    backends.note_missing(_op, "cuda", "not implemented on cuda yet (no CUDA C++ kernel; the "
-                          "triton backend runs it on GPUs)")
+backends.note_missing("paged_attention", "cuda", "not implemented on cuda yet (no CUDA C++ "
+                      "kernel; the triton backend runs it on GPUs)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,7 +445,8 @@ def varlen_attention(
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    _, impl = backends.select("varlen_attention", q.device, backend, q.dtype)
+    _, impl = backends.select("varlen_attention", q.device, backend, q.dtype, head_dim=q.shape[-1],
+                              head_dim_v=v.shape[-1], lq=max_seqlen_q, lk=max_seqlen_k)
     out, lse = impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                     bottom_right, left, right, float(dropout_p), int(seed or 0))
     return (out, lse) if return_lse else out
