@@ -5,8 +5,8 @@
 split, taken when ``FASTATTN_CUDA_FWD_ROWS=32`` (the extension reads it at each call). Every K
 and V fragment a warp reads from shared memory then feeds two tiles' mma: the reads per mma fall
 from 61 to 38 KB/MFLOP at D64 and to 46 at D128 (32-key tiles there: 64 spilled). Prediction
-(csrc/cuda/attention.cu, docs/cuda_attention.md): the same 8 warps per SM (registers), twice the
-independent mma per warp: 32 rows 1.15-1.5x faster at D64 and 1.0-1.3x at D128, bf16, L >= 4k.
+(csrc/cuda/attention_kernels.cuh, docs/cuda_attention.md): the same 8 warps per SM (registers),
+twice the independent mma per warp: 32 rows 1.15-1.5x faster at D64 and 1.0-1.3x at D128, bf16, L >= 4k.
 
 For each case both variants run alternately in one process (``fastattn.bench.time_fn``, the
 benchmark's own timing: do_bench's median), their outputs compared (they must agree to bf16 rounding:

@@ -113,7 +113,8 @@ _NO_EXT = {"FASTATTN_NO_EXTENSION": "1"}
 _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                             "-e", "."], 30, _NO_EXT)
 # (in place, not a second pip install: that would take the package away from a lane beside it;
-# 8 jobs: attention.cu alone is most of the build's wall time, and the other 8 cores compile
+# 8 jobs: attention.cu and varlen.cu (attention_kernels.cuh's dense and packed instances, built
+# side by side) are most of the build's wall time, and the other 8 cores compile
 # Triton kernels for the tests beside it)
 _BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} setup.py "
                         "-q build_ext --inplace"], 220,

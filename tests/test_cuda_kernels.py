@@ -1,5 +1,5 @@
-"""The CUDA C++ kernels (csrc/cuda: softmax.cu, ffn.cu, layer_norm.cu, attention.cu) against the
-float64 reference.
+"""The CUDA C++ kernels (csrc/cuda: softmax.cu, ffn.cu, layer_norm.cu, attention.cu, varlen.cu)
+against the float64 reference.
 
 GPU only: every test is marked ``gpu`` (skipped on machines without CUDA, see conftest.py) and
 also skips when the extension was built without its CUDA kernels. The public functions are

@@ -226,7 +226,7 @@ CUDA = [p for p in BACKENDS if p.values[0] == "cuda"]
 @pytest.mark.parametrize("D,rows", [(16, 16), (100, 16), (256, 16), (16, 32), (100, 32)])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
 def test_nan_rule_cuda_paths(case, D, rows, backend, device, monkeypatch):
-    """csrc/cuda/attention.cu's detect-and-recompute paths (forward per warp, dK/dV and dQ per
+    """csrc/cuda/attention_kernels.cuh's detect-and-recompute paths (forward per warp, dK/dV and dQ per
     CTA): GQA, dropout, infinities, a bottom-right band, a float mask; bfloat16; the three
     head-dim buckets, and the forward on 32 rows a warp (FASTATTN_CUDA_FWD_ROWS=32, DP <= 128)."""
     if rows == 32:

@@ -26,7 +26,8 @@ import shutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCES = [os.path.join(ROOT, "csrc", "emulate", f"{name}.cpp")
-           for name in ("module", "attention", "softmax", "layer_norm", "ffn", "rope", "selftest")]
+           for name in ("module", "attention", "varlen", "softmax", "layer_norm", "ffn", "rope",
+                        "selftest")]
 
 
 class EmulatorUnavailable(RuntimeError):

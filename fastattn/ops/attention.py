@@ -497,7 +497,7 @@ _DEFINED = define_op(
     naive=_naive,
     caps={
         "triton": dict(limits=_within(256)),  # kernels/attention.py _MAX_HEAD_DIM
-        # csrc/cuda/attention.cu: 16-bit inputs only, kMaxHeadDim, kMaxSeqLen
+        # csrc/cuda/attention_kernels.cuh: 16-bit inputs only, kMaxHeadDim, kMaxSeqLen
         "cuda": dict(dtypes=(torch.float16, torch.bfloat16), limits=_within(256, 1 << 29)),
     },
     each_op=_fold_vmap_rule,

@@ -170,7 +170,7 @@ _kernels = triton_kernels("varlen")
 define_op("varlen_attention", fake_fwd=_fake_varlen_fwd, fake_bwd=_fake_varlen_bwd,
           setup_context=_setup_context, backward=_backward, triton_fwd=_triton_fwd,
           triton_bwd=_triton_bwd, naive=_naive_varlen,
-          # csrc/cuda/attention.cu (the dense kernels, narrowed per sequence): 16-bit inputs only
+          # csrc/cuda/varlen.cu (the attention kernels, narrowed per sequence): 16-bit inputs only
           caps={"cuda": dict(dtypes=(torch.float16, torch.bfloat16), limits=_within(256, 1 << 29))})
 define_op("paged_attention", fake_fwd=_fake_paged_fwd, triton_fwd=_triton_paged, naive=_naive_paged)
 backends.note_missing("paged_attention", "cuda", "not implemented on cuda yet (no CUDA C++ "
