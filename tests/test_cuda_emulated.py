@@ -23,8 +23,8 @@ from fastattn.reference import rope as ref_rope
 import fastattn
 from cuda_cases import ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close, np_of
 from test_nan import KERNEL_CASES, _check_kernel_case as check_kernel_case
-from test_varlen import CASES as VARLEN_CASES, _ids as varlen_id, _packed, check_dropout, \
-    check_fully_masked_rows, check_varlen
+from test_varlen import CASES as VARLEN_CASES, KERNEL_CASES as VARLEN_LONG, _ids as varlen_id, \
+    _packed, check_dropout, check_fully_masked_rows, check_varlen
 
 emulate = pytest.importorskip("fastattn.aot.emulate")
 
@@ -144,7 +144,7 @@ def test_emulated_empty_keys(backend):
 # sequence by seq_view(), on test_varlen.py's cases and checks.
 
 # (The 32-row forward is not built for packed launches: FASTATTN_CUDA_FWD_ROWS leaves them be.)
-VARLEN = [pytest.param(c, torch.float16, id=f"{varlen_id(c)}-f16") for c in VARLEN_CASES]
+VARLEN = [pytest.param(c, torch.float16, id=f"{varlen_id(c)}-f16") for c in VARLEN_CASES + VARLEN_LONG]
 VARLEN += [pytest.param(VARLEN_CASES[1], torch.bfloat16, id=f"{varlen_id(VARLEN_CASES[1])}-bf16")]
 
 

@@ -25,8 +25,8 @@ from fastattn.testing import assert_close_to_reference
 
 from cuda_cases import (ACTS, ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close as _close,
                         mask_np as _mask_np, np_of as _np)
-from test_varlen import CASES as VARLEN_CASES, _ids as _varlen_id, _packed, check_dropout, \
-    check_fully_masked_rows, check_varlen
+from test_varlen import CASES as VARLEN_CASES, KERNEL_CASES as VARLEN_LONG, _ids as _varlen_id, \
+    _packed, check_dropout, check_fully_masked_rows, check_varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -422,7 +422,7 @@ def test_opcheck_varlen_attention():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=_varlen_id)
+@pytest.mark.parametrize("case", VARLEN_CASES + VARLEN_LONG, ids=_varlen_id)
 def test_cuda_varlen_matches_reference(case, dtype):
     check_varlen("cuda", DEV, case, dtype)
 

@@ -39,6 +39,15 @@ CASES = [
 ]
 
 
+# Longer sequences for the compiled kernels' tests (test_cuda_kernels.py, test_cuda_emulated.py;
+# too slow for the Triton interpreter): several query blocks and key tiles a sequence, the
+# head-dim buckets 128 and 256, an empty key sequence, a window with MQA.
+KERNEL_CASES = [
+    ([70, 200, 5], [90, 200, 0], 4, 2, 128, 128, True, None),
+    ([33, 150], [150, 40], 2, 1, 256, 200, "bottom_right", (40, 20)),
+]
+
+
 def _ids(case):
     lq, lk, H, Hkv, D, Dv, causal, window = case
     return f"{lq}x{lk}-h{H}/{Hkv}-d{D}/{Dv}-{causal}-{window}"
