@@ -13,8 +13,8 @@ The calls are forward + backward of softmax (warp path, cached and uncached bloc
 causal), ffn (plain and gated activations, odd sizes) and attention (the three head-dim buckets,
 odd lengths, GQA, masks, band, dropout, fully masked rows, empty keys, and several
 query blocks x key tiles so the cp.async pipeline turns over; then again with the forward on
-32 rows a warp) and varlen attention (packed sequences, empty ones included), kept small so the
-sanitizer (10-100x slower) finishes in a minute or two. Each output is checked to be finite
+32 rows a warp), varlen attention (packed sequences, empty ones included) and paged decoding,
+kept small so the sanitizer (10-100x slower) finishes in a minute or two. Each output is checked to be finite
 (a cheap guard that also forces the kernels to have run).
 """
 
@@ -129,6 +129,35 @@ def varlen_calls(gen, dev):
         _finite("lse", lse)
 
 
+def paged_calls(gen, dev):
+    """Paged decoding: GQA, an empty cache row, an odd block size, one split and several."""
+    import os
+
+    import fastattn
+
+    lens, bs, Lq = [0, 37, 900], 7, 2
+    need = [max(1, -(-n // bs)) for n in lens]
+    table = torch.full((len(lens), max(need)), -1, dtype=torch.int32)
+    perm = torch.randperm(sum(need), generator=gen)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[start:start + n].int()
+        start += n
+    for D, splits in ((64, "1"), (128, "3"), (256, "")):
+        q = torch.randn(len(lens), 8, Lq, D, generator=gen).half().to(dev)
+        kc = torch.randn(sum(need), bs, 2, D, generator=gen).half().to(dev)
+        vc = torch.randn(sum(need), bs, 2, D, generator=gen).half().to(dev)
+        os.environ["FASTATTN_CUDA_PAGED_SPLITS"] = splits
+        try:
+            out, lse = fastattn.paged_attention(q, kc, vc, table.to(dev),
+                                                torch.tensor(lens, dtype=torch.int32, device=dev),
+                                                return_lse=True, backend="cuda")
+        finally:
+            del os.environ["FASTATTN_CUDA_PAGED_SPLITS"]
+        _finite("paged", out)
+        _finite("lse", lse)
+
+
 def wide_forward_calls(gen, dev):
     """The attention calls again with the forward on 32 rows a warp (FASTATTN_CUDA_FWD_ROWS=32,
     read by the extension at each call; head dims up to 128 take it): Q re-read from shared
@@ -154,6 +183,7 @@ def workload():
     ffn_calls(gen, dev)
     attention_calls(gen, dev)
     varlen_calls(gen, dev)
+    paged_calls(gen, dev)
     wide_forward_calls(gen, dev)
     torch.cuda.synchronize()
     print("sanitize_cuda: workload done")

@@ -23,6 +23,7 @@ from fastattn.reference import rope as ref_rope
 import fastattn
 from cuda_cases import ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close, np_of
 from test_nan import KERNEL_CASES, _check_kernel_case as check_kernel_case
+from test_paged import CASES as PAGED_CASES, _ids as paged_id, _paged, check_paged
 from test_varlen import CASES as VARLEN_CASES, KERNEL_CASES as VARLEN_LONG, _ids as varlen_id, \
     _packed, check_dropout, check_fully_masked_rows, check_varlen
 
@@ -173,6 +174,62 @@ def test_emulated_varlen_bad_cu_seqlens_stay_in_bounds(kernels):
     want, want_lse = ref.varlen_attention(np_of(q), np_of(k), np_of(v), cu_q, cu_k, scale=0.25)
     close("out", out[:5], want[:5], ATT_TOL[torch.float16])
     close("lse", lse[:, :5], want_lse[:, :5], ATT_TOL[torch.float16])
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged KV cache (paged.cu, forward only): test_paged.py's cases and check, the key splits'
+# merge, NaN only where attended, bad indices kept in bounds.
+
+PAGED = [pytest.param(c, torch.float16, id=f"{paged_id(c)}-f16") for c in PAGED_CASES]
+PAGED += [pytest.param(PAGED_CASES[0], torch.bfloat16, id=f"{paged_id(PAGED_CASES[0])}-bf16")]
+# GQA 4 x 5 rows (a CTA's warps take several rows each), a row shorter than some splits
+SPLIT_CASE = ([3, 70], 5, 8, 2, 16, 16, 8, "bottom_right", None)
+
+
+@pytest.mark.parametrize("case,dtype", PAGED)
+def test_emulated_paged_matches_reference(backend, case, dtype):
+    check_paged(backend, "cpu", case, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_emulated_paged_key_splits_merge(backend, splits, monkeypatch):
+    monkeypatch.setenv("FASTATTN_CUDA_PAGED_SPLITS", str(splits))
+    check_paged(backend, "cpu", SPLIT_CASE, torch.float16)
+
+
+@pytest.mark.parametrize("D", [64, 100])  # 16-byte K loads, and element loads
+def test_emulated_paged_nan_only_where_attended(backend, D):
+    """NaN in every cache slot no row attends (spare blocks, the slots past each length) changes
+    nothing; a NaN in an attended V row reaches that column of the rows attending it."""
+    q, kc, vc, table, seqlens = _paged([20, 9], 2, 2, 1, D, D, 8, "cpu", torch.float16)
+    clean = fastattn.paged_attention(q, kc, vc, table, seqlens, backend=backend)
+    used = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seqlens.tolist()):
+        t = torch.arange(n)
+        used[table[b, t // 8].long(), t % 8] = True
+    kc[~used], vc[~used] = float("nan"), float("nan")
+    assert torch.equal(fastattn.paged_attention(q, kc, vc, table, seqlens, backend=backend), clean)
+    vc[table[1, 0].long(), 3, 0, 5] = float("nan")  # key 3 of row 1: attended by both its queries
+    out = fastattn.paged_attention(q, kc, vc, table, seqlens, backend=backend)
+    assert out[1, :, :, 5].isnan().all() and not out[1, :, :, :5].isnan().any()
+    assert torch.equal(out[0], clean[0])
+
+
+def test_emulated_paged_bad_indices_stay_in_bounds(kernels):
+    """The op trusts block_table and cache_seqlens (the public function checks them); an entry
+    out of range leaves its key unattended and a length beyond the row's blocks leaves the row
+    empty, rather than reading out of bounds; the valid row is unaffected."""
+    q, kc, vc, table, seqlens = _paged([12, 7], 1, 2, 2, 32, 32, 4, "cpu", torch.float16)
+    bad_table, bad_lens = table.clone(), seqlens.clone()
+    bad_table[1, 0] = 1 << 30
+    bad_lens[0] = 1 << 20
+    out, lse = kernels.paged_attention_fwd(q, kc, vc, bad_table, seqlens, 0.25, True, 99, 0)
+    want, want_lse = ref.paged_attention(np_of(q), np_of(kc), np_of(vc), table.numpy(),
+                                         seqlens.numpy(), scale=0.25)
+    close("out", out[0], want[0], ATT_TOL[torch.float16])
+    out, lse = kernels.paged_attention_fwd(q, kc, vc, table, bad_lens, 0.25, True, 99, 0)
+    assert not out[0].any() and torch.isneginf(lse[0]).all()
+    close("out", out[1], want[1], ATT_TOL[torch.float16])
 
 
 # ---------------------------------------------------------------------------------------------

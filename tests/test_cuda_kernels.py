@@ -25,6 +25,7 @@ from fastattn.testing import assert_close_to_reference
 
 from cuda_cases import (ACTS, ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close as _close,
                         mask_np as _mask_np, np_of as _np)
+from test_paged import CASES as PAGED_CASES, _ids as _paged_id, _paged, check_paged
 from test_varlen import CASES as VARLEN_CASES, KERNEL_CASES as VARLEN_LONG, _ids as _varlen_id, \
     _packed, check_dropout, check_fully_masked_rows, check_varlen
 
@@ -434,3 +435,32 @@ def test_cuda_varlen_grid_past_every_sequence():
 def test_cuda_varlen_fully_masked_rows_and_dropout():
     check_fully_masked_rows("cuda", DEV, torch.float16)
     check_dropout("cuda", DEV, torch.bfloat16)
+
+
+# =============================================================================================
+# paged_attention (paged.cu: split-KV decoding over a paged cache, forward only)
+# =============================================================================================
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", PAGED_CASES, ids=_paged_id)
+def test_cuda_paged_matches_reference(case, dtype):
+    check_paged("cuda", DEV, case, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_cuda_paged_key_splits_merge(splits, monkeypatch):
+    monkeypatch.setenv("FASTATTN_CUDA_PAGED_SPLITS", str(splits))
+    check_paged("cuda", DEV, ([3, 70], 5, 8, 2, 16, 16, 8, "bottom_right", None), torch.float16)
+
+
+def test_cuda_paged_long_cache_splits():
+    """A 20k-key cache at batch 1: the default split count (about two CTAs per SM) and merge."""
+    check_paged("cuda", DEV, ([20000, 3000], 1, 8, 2, 128, 128, 16, "bottom_right", None),
+                torch.bfloat16)
+
+
+def test_opcheck_paged_attention():
+    q, kc, vc, table, seqlens = _paged([9, 30], 2, 4, 2, 40, 24, 8, DEV, torch.bfloat16)
+    _opcheck(torch.ops.fastattn.paged_attention_fwd.default,
+             (q, kc, vc, table, seqlens, 0.3, True, 50, 0))

@@ -649,15 +649,7 @@ __device__ __forceinline__ void for_each_key_tile(const AttnParams& p, const Key
 // decides what an attended non-finite value gives, exactly as in the reference. Slow (no tensor
 // cores), but only blocks holding a NaN pay for it.
 
-// Whether x is NaN, from its bits (independent of any fast-math assumption).
-__device__ __forceinline__ bool is_nan(float x) {
-  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u;
-}
-
-// max that propagates a NaN (fmaxf drops it).
-__device__ __forceinline__ float max_nan(float a, float b) {
-  return is_nan(a) || is_nan(b) ? NAN : fmaxf(a, b);
-}
+// (is_nan, max_nan: cuda_helpers.cuh.)
 
 // Features d = lane + 32 u < n of the 16-bit row `row` as float32 (0 beyond n).
 template <typename M16, int DP>

@@ -6,6 +6,7 @@
 namespace fastattn {
 void emulated_attention(pybind11::module& m);
 void emulated_varlen_attention(pybind11::module& m);
+void emulated_paged_attention(pybind11::module& m);
 void emulated_softmax(pybind11::module& m);
 void emulated_layer_norm(pybind11::module& m);
 void emulated_ffn(pybind11::module& m);
@@ -16,6 +17,7 @@ void register_emulator_selftest(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fastattn::emulated_attention(m);
   fastattn::emulated_varlen_attention(m);
+  fastattn::emulated_paged_attention(m);
   fastattn::emulated_softmax(m);
   fastattn::emulated_layer_norm(m);
   fastattn::emulated_ffn(m);

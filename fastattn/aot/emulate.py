@@ -13,9 +13,9 @@ sm_90a compiler stay for a GPU to show.
 ``<op>_bwd`` for attention, softmax, layer_norm, ffn (and ``rope_fwd``) take CPU tensors and the
 arguments of the ``fastattn::<op>_fwd`` / ``_bwd`` schemas (csrc/fastattn.cpp);
 ``selftest(name, ok, a, b)`` runs one of the emulator's own controls (csrc/emulate/selftest.cpp).
-``register()`` makes the attention and varlen_attention ops the backend ``"cuda_emulated"``. It
-needs the CUDA headers (cuda_fp16.h, cuda_runtime.h; no GPU, no CUDA library is linked) and raises
-:class:`EmulatorUnavailable` without them.
+``register()`` makes the attention, varlen_attention and paged_attention ops the backend
+``"cuda_emulated"``. It needs the CUDA headers (cuda_fp16.h, cuda_runtime.h; no GPU, no CUDA
+library is linked) and raises :class:`EmulatorUnavailable` without them.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import shutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCES = [os.path.join(ROOT, "csrc", "emulate", f"{name}.cpp")
-           for name in ("module", "attention", "varlen", "softmax", "layer_norm", "ffn", "rope",
-                        "selftest")]
+           for name in ("module", "attention", "varlen", "paged", "softmax", "layer_norm", "ffn",
+                        "rope", "selftest")]
 
 
 class EmulatorUnavailable(RuntimeError):
@@ -139,9 +139,10 @@ def register() -> str:
 
     from fastattn import backends
 
-    load()
-    for op, function in (("attention", _attention_function()),
-                         ("varlen_attention", _varlen_function())):
-        backends.register_backend(op, BACKEND, function.apply, devices=("cpu",),
+    kernels = load()
+    for op, fn in (("attention", _attention_function().apply),
+                   ("varlen_attention", _varlen_function().apply),
+                   ("paged_attention", kernels.paged_attention_fwd)):  # (forward only)
+        backends.register_backend(op, BACKEND, fn, devices=("cpu",),
                                   dtypes=(torch.float16, torch.bfloat16))
     return BACKEND

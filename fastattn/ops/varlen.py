@@ -172,9 +172,9 @@ define_op("varlen_attention", fake_fwd=_fake_varlen_fwd, fake_bwd=_fake_varlen_b
           triton_bwd=_triton_bwd, naive=_naive_varlen,
           # csrc/cuda/varlen.cu (the attention kernels, narrowed per sequence): 16-bit inputs only
           caps={"cuda": dict(dtypes=(torch.float16, torch.bfloat16), limits=_within(256, 1 << 29))})
-define_op("paged_attention", fake_fwd=_fake_paged_fwd, triton_fwd=_triton_paged, naive=_naive_paged)
-backends.note_missing("paged_attention", "cuda", "not implemented on cuda yet (no CUDA C++ "
-                      "kernel; the triton backend runs it on GPUs)")
+define_op("paged_attention", fake_fwd=_fake_paged_fwd, triton_fwd=_triton_paged, naive=_naive_paged,
+          # csrc/cuda/paged.cu: 16-bit inputs only, head dims up to 256
+          caps={"cuda": dict(dtypes=(torch.float16, torch.bfloat16), limits=_within(256))})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,7 +482,8 @@ def paged_attention(
     _check_tensor("q", q, 4, "(batch, heads, new_tokens, head_dim)")
     _check_float("q", q, q, "q")
     _check_band(causal, window)
-    name, impl = backends.select("paged_attention", q.device, backend, q.dtype)
+    name, impl = backends.select("paged_attention", q.device, backend, q.dtype, head_dim=q.shape[-1],
+                                 head_dim_v=v_cache.shape[-1] if isinstance(v_cache, Tensor) and v_cache.dim() else None)
     _check_paged("q", q, k_cache, v_cache, block_table, cache_seqlens,
                  values=name not in _CHECKS_PAGED_VALUES)
     _check_paged_heads(q, k_cache)

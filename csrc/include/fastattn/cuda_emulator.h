@@ -620,6 +620,7 @@ inline V __ldg(const V* p) {
   return *p;
 }
 inline float __frcp_rn(float x) { return 1.f / x; }
+inline float __fdividef(float a, float b) { return a / b; }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 using std::max;

@@ -127,6 +127,16 @@ inline bool strides_multiple_of(std::initializer_list<int64_t> strides, int64_t 
   return true;
 }
 
+// Whether x is NaN, from its bits (independent of any fast-math assumption).
+__device__ __forceinline__ bool is_nan(float x) {
+  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// max that propagates a NaN (fmaxf drops it).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  return is_nan(a) || is_nan(b) ? NAN : fmaxf(a, b);
+}
+
 // -------------------------------------------------------------------------------------------
 // Reductions. Warp and quad reductions need all 32 lanes to take part (full mask); every lane
 // gets the same, bitwise identical result.
@@ -139,6 +149,12 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// The warp's max, a NaN in any lane included.
+__device__ __forceinline__ float warp_max_nan(float v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 // Over the 4 lanes of a quad (lanes 4g .. 4g+3): the lanes holding one row of an mma fragment.
