@@ -23,7 +23,7 @@ from fastattn.reference import rope as ref_rope
 import fastattn
 from cuda_cases import ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close, np_of
 from test_nan import KERNEL_CASES, _check_kernel_case as check_kernel_case
-from test_paged import CASES as PAGED_CASES, _ids as paged_id, _paged, check_paged
+from test_paged import CASES as PAGED_CASES, SPLIT_CASE, _ids as paged_id, _paged, check_paged
 from test_varlen import CASES as VARLEN_CASES, KERNEL_CASES as VARLEN_LONG, _ids as varlen_id, \
     _packed, check_dropout, check_fully_masked_rows, check_varlen
 
@@ -182,8 +182,6 @@ def test_emulated_varlen_bad_cu_seqlens_stay_in_bounds(kernels):
 
 PAGED = [pytest.param(c, torch.float16, id=f"{paged_id(c)}-f16") for c in PAGED_CASES]
 PAGED += [pytest.param(PAGED_CASES[0], torch.bfloat16, id=f"{paged_id(PAGED_CASES[0])}-bf16")]
-# GQA 4 x 5 rows (a CTA's warps take several rows each), a row shorter than some splits
-SPLIT_CASE = ([3, 70], 5, 8, 2, 16, 16, 8, "bottom_right", None)
 
 
 @pytest.mark.parametrize("case,dtype", PAGED)

@@ -25,7 +25,7 @@ from fastattn.testing import assert_close_to_reference
 
 from cuda_cases import (ACTS, ATT_CASES, ATT_TOL, SM_TOL, att_run, check_att, close as _close,
                         mask_np as _mask_np, np_of as _np)
-from test_paged import CASES as PAGED_CASES, _ids as _paged_id, _paged, check_paged
+from test_paged import CASES as PAGED_CASES, SPLIT_CASE, _ids as _paged_id, _paged, check_paged
 from test_varlen import CASES as VARLEN_CASES, KERNEL_CASES as VARLEN_LONG, _ids as _varlen_id, \
     _packed, check_dropout, check_fully_masked_rows, check_varlen
 
@@ -451,7 +451,7 @@ def test_cuda_paged_matches_reference(case, dtype):
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_cuda_paged_key_splits_merge(splits, monkeypatch):
     monkeypatch.setenv("FASTATTN_CUDA_PAGED_SPLITS", str(splits))
-    check_paged("cuda", DEV, ([3, 70], 5, 8, 2, 16, 16, 8, "bottom_right", None), torch.float16)
+    check_paged("cuda", DEV, SPLIT_CASE, torch.float16)
 
 
 def test_cuda_paged_long_cache_splits():

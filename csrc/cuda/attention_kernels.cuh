@@ -1644,7 +1644,7 @@ void run_bwd(const AttnParams& p, int device, cudaStream_t stream) {
   using Q = typename Configs<DP>::Q;
   // delta's rows: a packed launch's are one batch row of total_q queries (batch strides 0).
   AttnParams by_row = p;
-  if (p.cu_q != nullptr) by_row.B = 1, by_row.Lq = p.total_q;
+  if constexpr (PACKED) by_row.B = 1, by_row.Lq = p.total_q;
   const int64_t rows = int64_t{by_row.B} * by_row.H * by_row.Lq;
   if (rows > 0) {
     launch_kernel(attn_bwd_delta_kernel<T>, grid_1d(ceil_div(rows, 4)), 128, 0, stream, by_row);
@@ -1700,16 +1700,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(AttnParams& p, const at:
                                                         const at::Tensor& v,
                                                         const at::Tensor& out,
                                                         const at::Tensor& lse) {
-  constexpr bool packed = PACKED;
   std::vector<int64_t> o_shape = q.sizes().vec();
   o_shape.back() = p.Dv;
   for (const auto& [t, name] : {std::pair{&dout, "dout"}, std::pair{&out, "out"}}) {
-    check_qkv(*t, name, q, packed);
+    check_qkv(*t, name, q, PACKED);
     check_shape(*t, o_shape, name);
   }
   check_cuda_tensor(lse, "lse");
   check_device(lse, q, "lse", "q");
-  if (packed) {
+  if constexpr (PACKED) {
     check_shape(lse, {p.H, p.total_q}, "lse");
   } else {
     check_shape(lse, {p.B, p.H, p.Lq}, "lse");

@@ -358,14 +358,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cuda(
 }  // namespace
 }  // namespace cuda
 
-#ifndef FASTATTN_CUDA_EMULATE
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("paged_attention_fwd", &cuda::paged_attention_fwd_cuda);
-}
-#else
-void emulated_paged_attention(pybind11::module& m) {
-  m.def("paged_attention_fwd", &cuda::paged_attention_fwd_cuda);
-}
-#endif
+FASTATTN_CUDA_IMPL_FWD(paged_attention)
 
 }  // namespace fastattn

@@ -236,10 +236,6 @@ at::Tensor rope_fwd_cuda(const at::Tensor& x, const at::Tensor& cos, const at::T
 }  // namespace
 }  // namespace cuda
 
-#ifndef FASTATTN_CUDA_EMULATE
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) { m.impl("rope_fwd", &cuda::rope_fwd_cuda); }
-#else
-void emulated_rope(pybind11::module& m) { m.def("rope_fwd", &cuda::rope_fwd_cuda); }
-#endif
+FASTATTN_CUDA_IMPL_FWD(rope)
 
 }  // namespace fastattn

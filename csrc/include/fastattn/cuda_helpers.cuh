@@ -18,7 +18,8 @@
 //   DeviceGuard, current_stream, current_device, sm_count, blocks_per_sm, static_smem_bytes --
 //   and FASTATTN_DYNAMIC_SMEM for a kernel's dynamic shared memory: in one place, so that the
 //   emulated build (FASTATTN_CUDA_EMULATE, cuda_emulator.h) runs the same sources on the host;
-// - FASTATTN_CUDA_IMPL_FWD_BWD: the CUDA registration of an op's _fwd / _bwd schemas.
+// - FASTATTN_CUDA_IMPL_FWD_BWD / FASTATTN_CUDA_IMPL_FWD: the CUDA registration of an op's _fwd /
+//   _bwd schemas (or of its _fwd alone).
 //
 // Conventions: every global offset is int64_t; kernels that loop over rows or elements use
 // grid-stride loops, so a grid capped by grid_1d() still covers any size.
@@ -377,17 +378,22 @@ inline unsigned grid_1d(int64_t blocks) {
 // namespace fastattn) as the CUDA kernels of the schemas NAME_fwd and NAME_bwd of
 // csrc/fastattn.cpp. Used at namespace fastattn scope, once per op. The emulated build defines
 // fastattn::emulated_NAME(module) instead, which binds them as NAME_fwd / NAME_bwd of the
-// emulated module (csrc/emulate/module.cpp).
+// emulated module (csrc/emulate/module.cpp). FASTATTN_CUDA_IMPL_FWD: the same for an op with a
+// forward only (rope, paged_attention).
 #ifndef FASTATTN_CUDA_EMULATE
 #define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)             \
   TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {             \
     m.impl(#NAME "_fwd", &cuda::NAME##_fwd_cuda);     \
     m.impl(#NAME "_bwd", &cuda::NAME##_bwd_cuda);     \
   }
+#define FASTATTN_CUDA_IMPL_FWD(NAME) \
+  TORCH_LIBRARY_IMPL(fastattn, CUDA, m) { m.impl(#NAME "_fwd", &cuda::NAME##_fwd_cuda); }
 #else
 #define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)                  \
   void emulated_##NAME(pybind11::module& m) {              \
     m.def(#NAME "_fwd", &cuda::NAME##_fwd_cuda);           \
     m.def(#NAME "_bwd", &cuda::NAME##_bwd_cuda);           \
   }
+#define FASTATTN_CUDA_IMPL_FWD(NAME) \
+  void emulated_##NAME(pybind11::module& m) { m.def(#NAME "_fwd", &cuda::NAME##_fwd_cuda); }
 #endif
