@@ -30,8 +30,12 @@ test: .install
 check-cuda: .install
 	$(PY) .ci/compile_cuda.py
 
+# (A venv made by a venv's python sees the base interpreter's packages, not that venv's: the
+# .pth line adds $(PY)'s site-packages, where torch and fastattn are, after the venv's own.)
 .venv-aot/.ok-$(AOT_TRITON): .install
 	$(PY) -m venv --system-site-packages .venv-aot
+	$(PY) -c "import site; print('import site; ' + '; '.join(f'site.addsitedir({d!r})' for d in site.getsitepackages()))" \
+		> "$$(.venv-aot/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/fastattn-base.pth"
 	.venv-aot/bin/python -m pip install -q "triton==$(AOT_TRITON)"
 	touch $@
 

@@ -17,7 +17,8 @@ returns what it did. The plan, in the order a session runs it::
     python bench/gpu_protocol.py rest-ops          #   GPU cases, the per-op test files' GPU
     python bench/gpu_protocol.py bench-ops         #   cases, decode / varlen / JVP, the full
     python bench/gpu_protocol.py full              #   benchmark grid
-    python bench/gpu_protocol.py rows              # a lease's last ~90 s, warm
+    python bench/gpu_protocol.py spare             # a lease's last 90-200 s, warm: decode, JVP
+    python bench/gpu_protocol.py rows              #   (or the cuda forward's 16 vs 32 rows)
     python bench/gpu_protocol.py --dry-run all     # print every step; run nothing (CI runs it)
 
 ``triton``, ``cuda`` and ``sanitize`` are parts of check, to rerun one. Each call
@@ -222,6 +223,13 @@ _SANITIZE = [Step(tool, ["compute-sanitizer", "--tool", tool, "--error-exitcode"
 _CUDA_FWD_ROWS = Step("cuda-fwd-rows", [PY, "bench/cuda_fwd_rows.py", "--json",
                                         "{out}/cuda-fwd-rows.json"], 60)
 
+def _bench_op(op):
+    """``fastattn bench --op <op> --quick``, warm, no torch.compile peers (bench-ops, spare)."""
+    return Step(f"bench-{op}", [*_CLI, "bench", "--op", op, "--quick", "--budget", "0.1",
+                                "--no-compile", "--json", f"{{out}}/bench-{op}.json"],
+                {"decode": 70, "varlen": 110, "jvp": 100}[op])
+
+
 # The calls, in the order a session makes them; each one's steps fit CALL_BUDGET_S. A 15-minute
 # lease makes "check" then "profile" back to back (the machine stays warm 30 s); the next lease
 # goes on with "check" again, then "bench", and so on.
@@ -285,12 +293,7 @@ CALLS: dict[str, list[Step | Lanes]] = {
     #    32k, batch 1 and 64: the fraction of copy bandwidth, target >= 85% at L >= 8k), packed
     #    varlen against padded SDPA, the JVP against torch's math-path JVP (and the forward).
     #    Warm; autotuned where the op is; no torch.compile peers.
-    "bench-ops": [
-        _INSTALL, _WARM_BUILD,
-        *(Step(f"bench-{op}", [*_CLI, "bench", "--op", op, "--quick", "--budget", "0.1",
-                               "--no-compile", "--json", f"{{out}}/bench-{op}.json"], seconds)
-          for op, seconds in (("decode", 70), ("varlen", 110), ("jvp", 100))),
-    ],
+    "bench-ops": [_INSTALL, _WARM_BUILD, *(_bench_op(op) for op in ("decode", "varlen", "jvp"))],
     # 7. When a session has time left: the full grid, and the Triton pointer path beside the
     #    descriptor path.
     "full": [
@@ -313,7 +316,11 @@ RERUNS = ("triton", "cuda", "sanitize")
 # A lease's last minutes, warm (~80 s): what is still unmeasured and short, never a hand-typed
 # command (run 7 lost 134 s to one: a `pip install -e .` that rebuilt the extension).
 CALLS["rows"] = [_INSTALL, _WARM_BUILD, _CUDA_FWD_ROWS]
-SPARE = ("rows",)
+# bench-ops is five leases down the plan, and leases came to 7 of 32 sessions: the decode and
+# JVP numbers that the paged / JVP issues wait on go in a lease's last minutes instead (each
+# case is written as it ends, so a call cut short keeps what it timed).
+CALLS["spare"] = [_INSTALL, _WARM_BUILD, _bench_op("decode"), _bench_op("jvp")]
+SPARE = ("spare", "rows")
 
 
 def _flat(stage: Step | Lanes) -> list[Step]:
@@ -453,9 +460,9 @@ def plan() -> None:
           "`check` again, then the next one. Each session's machine started in under a minute:")
     for i, call in enumerate([c for c in CALLS if c not in RERUNS + SPARE], 1):
         print(f"  {i}. python bench/gpu_protocol.py {call:9} ~{budget(call) // 60 + 1} min at most")
-    print("With 90-200 s left, warm: " + ", ".join(
-        f"python bench/gpu_protocol.py {c} (~{budget(c) // 60 + 1} min at most; cold it builds)"
-        for c in SPARE) + ". Never a hand-typed command: its mistakes cost the lease.")
+    print("With 90-200 s left, warm: python bench/gpu_protocol.py spare (decode, then the JVP; "
+          "timeout_s: what is left less 20 s), or rows when no run of profile has finished its "
+          "cuda-fwd-rows step. Never a hand-typed command: its mistakes cost the lease.")
     print("To rerun a part of check: " + ", ".join(
         f"python bench/gpu_protocol.py {c} (~{budget(c) // 60 + 1} min)" for c in RERUNS))
     print("Then unpack $OUT/<call>.tgz under bench/results/, run python bench/summarize.py, "
