@@ -24,7 +24,8 @@ a log-sum-exp weighted sum: O = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s ls
 of splits fills the GPU (about two programs per SM), never more than the key tiles.
 
 Tiles are fixed, not autotuned yet (see _tiles: chosen so that every kernel compiles for sm_90
-without register spills); the split merge runs as torch ops.
+without register spills); the split merge is a kernel of its own (_paged_merge_kernel), one
+program a query row.
 
 NaN rule (docs/numerics.md): as the dense kernels, detect then recompute -- each program checks
 its output tile for a NaN and only then reruns its block on kernels.attention's careful path
@@ -425,6 +426,34 @@ def _paged_fwd_kernel(
                      row_ok, HEAD_DIM_V)
 
 
+@triton.jit
+def _paged_merge_kernel(OPart, LsePart, Out, Lse, num_splits, HEAD_DIM_V: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr):
+    """One row's split partials (num_splits of them, float32) merged: lse = logsumexp_s lse_s,
+    O = sum_s exp(lse_s - lse) O_s, as torch.logsumexp and a weighted sum would (a row no split
+    attended: lse -inf, O 0; a NaN propagates). One program a row, the splits CHUNK at a time."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    part = row * num_splits
+    lse_s = tl.load(LsePart + part + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m = tl.where((m == float("inf")) | (m == float("-inf")), 0.0, m)  # (as torch.logsumexp)
+    lse = tl.log(tl.sum(tl.exp(lse_s - m), 0)) + m
+    lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        offs_c = s0 + tl.arange(0, CHUNK)
+        ok = offs_c < num_splits
+        w = tl.exp(tl.load(LsePart + part + offs_c, mask=ok, other=float("-inf")) - lse_safe)
+        o = tl.load(OPart + (part + offs_c)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                    mask=ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    tl.store(Out + row * HEAD_DIM_V + offs_dv, acc.to(Out.dtype.element_ty),
+             mask=offs_dv < HEAD_DIM_V)
+    tl.store(Lse + row, lse)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
@@ -571,9 +600,9 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
         DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages, **options,
     )
-    # Merge the splits: lse = logsumexp_s lse_s, O = sum_s exp(lse_s - lse) O_s.
-    lse.copy_(torch.logsumexp(lse_part, dim=-1))
-    dead = torch.isneginf(lse)
-    w = torch.exp(lse_part - torch.where(dead, 0.0, lse)[..., None])
-    out.copy_((w[..., None] * o_part).sum(-2))
+    # Merge the splits, one launch (it was seven torch ops: their launches outlasted a batch-1
+    # decode step's kernel).
+    torch.library.wrap_triton(_paged_merge_kernel)[(B * H * Lq,)](
+        o_part, lse_part, out, lse, splits, HEAD_DIM_V=Dv,
+        BLOCK_S=max(16, tuning.next_power_of_2(splits)), BLOCK_DV=_head_block(Dv), CHUNK=8, num_warps=4)
     return out, lse

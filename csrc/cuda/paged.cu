@@ -21,8 +21,8 @@
 //   - P V with the lanes splitting Dv, each key's p and block read back from shared memory.
 // Splits: enough CTAs for about two per SM when B * Hkv is small and the cache long (at least
 // 256 keys a split); FASTATTN_CUDA_PAGED_SPLITS=n forces n (tests). One split writes out and lse
-// directly; several write their normalized out and lse to a float32 workspace, merged by lse
-// with ATen ops (a split that saw nothing has lse -inf and weight 0).
+// directly; several write their normalized out and lse to a float32 workspace, which
+// paged_merge_kernel merges by lse (a split that saw nothing has lse -inf and weight 0).
 //
 // Precision: q . k, the softmax and P V in float32; out rounded to the input dtype, lse float32.
 // NaN rule (docs/numerics.md): only keys a row attends are read, so a NaN or inf held at a key it
@@ -91,31 +91,39 @@ struct WarpSmem {
   static constexpr int BYTES = kWarps * FLOATS * 4;
 };
 
-// q . k for the K row `k` (D elements) and q in shared memory (DP floats, zero past D).
-template <typename M16>
+// q . k for the K row `k` (D elements) and q in shared memory (DP floats, zero past D). The loop
+// runs to DP, unrolled, so that a lane's 16-byte loads of its row are in flight together (it
+// waited a memory latency a load when it stopped at D); four partial sums break the chain of
+// FMAs.
+template <typename M16, int DP>
 __device__ __forceinline__ float dot_q_k(const PagedParams& p, const float* q, const uint16_t* k) {
-  float acc = 0.f;
+  float acc[4] = {};
   if (p.vec_k) {
-    for (int d = 0; d < p.D; d += 8) {
-      const uint4 w = *reinterpret_cast<const uint4*>(k + d);
+#pragma unroll
+    for (int d = 0; d < DP; d += 8) {
+      // (a load under a condition, not a loop that breaks: ptxas predicates it and issues the
+      // row's loads together; past D, q is 0 in shared memory)
+      uint4 w = make_uint4(0, 0, 0, 0);
+      if (d < p.D) w = *reinterpret_cast<const uint4*>(k + d);
       const float4 qa = ld_shared<float4>(q + d), qb = ld_shared<float4>(q + d + 4);
       const uint32_t words[4] = {w.x, w.y, w.z, w.w};
       const float qs[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        acc += qs[e] * M16::to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+        acc[e % 4] += qs[e] * M16::to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
       }
     }
   } else {
-    for (int d = 0; d < p.D; ++d) acc += ld_shared<float>(q + d) * M16::to_float(k[d]);
+    for (int d = 0; d < p.D; ++d) acc[d % 4] += ld_shared<float>(q + d) * M16::to_float(k[d]);
   }
-  return acc;
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 template <typename T, int DP>
 __global__ void __launch_bounds__(kWarps * 32, kMinCtas) paged_fwd_kernel(const PagedParams p) {
   using M16 = Mma16<T>;
   constexpr int U = DP / 32;  // V columns d = lane + 32 u
+  constexpr int KJ = DP > 128 ? 4 : 8;  // keys whose V rows a lane loads at once
   FASTATTN_DYNAMIC_SMEM(float, smem);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float* sq = smem + warp * WarpSmem<DP>::FLOATS;
@@ -156,7 +164,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas) paged_fwd_kernel(const 
       }
       float s = -INFINITY;
       if (blk >= 0) {
-        s = dot_q_k<M16>(p, sq, k_head + blk * p.k_sblk + slot * p.k_sslot) * p.scale;
+        s = dot_q_k<M16, DP>(p, sq, k_head + blk * p.k_sblk + slot * p.k_sslot) * p.scale;
       }
       const float m_new = max_nan(m, warp_max_nan(s));
       const float m_safe = m_new == -INFINITY ? 0.f : m_new;
@@ -170,16 +178,27 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas) paged_fwd_kernel(const 
       st_shared(sblk + lane, blk);
       st_shared(sslot + lane, slot);
       __syncwarp();
+      // P V, KJ keys at a time: their V loads are in flight together (one key at a time, a
+      // warp waited a memory latency a key). Keys past the chunk's end, or not attended, have
+      // block -1 and p 0: their V rows are never read.
       const int n = min(32, t_end - t0);
-      for (int j = 0; j < n; ++j) {
-        const int bj = ld_shared<int>(sblk + j);
-        if (bj < 0) continue;  // not attended: its V row is never read
-        const float pj = ld_shared<float>(sp + j);
-        const uint16_t* vr = v_head + bj * p.v_sblk + ld_shared<int>(sslot + j) * p.v_sslot;
+      for (int j0 = 0; j0 < n; j0 += KJ) {
+        float vals[KJ][U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int d = lane + 32 * u;
-          if (d < p.Dv) acc[u] += pj * M16::to_float(vr[d]);
+        for (int jj = 0; jj < KJ; ++jj) {
+          const int bj = ld_shared<int>(sblk + j0 + jj);  // (j0 + jj < 32: KJ divides 32)
+          const uint16_t* vr = v_head + bj * p.v_sblk + ld_shared<int>(sslot + j0 + jj) * p.v_sslot;
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int d = lane + 32 * u;
+            vals[jj][u] = bj >= 0 && d < p.Dv ? M16::to_float(vr[d]) : 0.f;
+          }
+        }
+#pragma unroll
+        for (int jj = 0; jj < KJ; ++jj) {
+          const float pj = ld_shared<float>(sp + j0 + jj);
+#pragma unroll
+          for (int u = 0; u < U; ++u) acc[u] += pj * vals[jj][u];
         }
       }
       // Every lane has read this chunk's p, blocks and slots (and q) before the next chunk, or
@@ -210,6 +229,37 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas) paged_fwd_kernel(const 
         p.ws_lse[split * int64_t{p.B} * p.H * p.Lq + row] = lse;
       }
     }
+  }
+}
+
+// The splits merged, a warp a query row (row = (b * H + h) * Lq + i): lse = logsumexp_s lse_s,
+// out = sum_s exp(lse_s - lse) out_s, as torch.logsumexp and a weighted sum give them: a row no
+// split attended gets -inf and 0, a split that saw nothing weighs 0, a NaN propagates. (One
+// launch; the seven ATen ops it replaced were seven launches, which a batch-1 step outlasted.)
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32) paged_merge_kernel(const PagedParams p) {
+  using M16 = Mma16<T>;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = int64_t{p.B} * p.H * p.Lq;
+  for (int64_t row = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; row < rows;
+       row += int64_t{gridDim.x} * kWarps) {
+    const float* lse_s = p.ws_lse + row;  // split s at lse_s[s * rows]
+    float m = -INFINITY;
+    for (int s = lane; s < p.splits; s += 32) m = max_nan(m, lse_s[s * rows]);
+    m = warp_max_nan(m);
+    if (m == INFINITY || m == -INFINITY) m = 0.f;  // (torch.logsumexp's shift)
+    float sum = 0.f;
+    for (int s = lane; s < p.splits; s += 32) sum += expf(lse_s[s * rows] - m);
+    const float lse = logf(warp_sum(sum)) + m;
+    const float shift = lse == -INFINITY ? 0.f : lse;
+    for (int d = lane; d < p.Dv; d += 32) {
+      float acc = 0.f;
+      for (int s = 0; s < p.splits; ++s) {
+        acc += expf(lse_s[s * rows] - shift) * p.ws_out[(s * rows + row) * p.Dv + d];
+      }
+      p.out[row * p.Dv + d] = M16::from_float(acc);
+    }
+    if (lane == 0) p.lse[row] = lse;
   }
 }
 
@@ -324,6 +374,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cuda(
     ws_lse = at::empty({p.splits, B, H, Lq}, q.options().dtype(at::kFloat));
     p.ws_out = ws_out.data_ptr<float>();
     p.ws_lse = ws_lse.data_ptr<float>();
+    p.out = reinterpret_cast<uint16_t*>(out.data_ptr());  // (the merge's)
+    p.lse = lse.data_ptr<float>();
   }
   const int64_t blocks = B * Hkv * p.splits;
   TORCH_CHECK(blocks <= 0x7fffffff, "paged_attention: too many blocks (", blocks, ")");
@@ -338,19 +390,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cuda(
     } else {
       launch_paged<T, 256>(p, blocks, stream);
     }
+    if (p.splits > 1) {
+      launch_kernel(paged_merge_kernel<T>, grid_1d(ceil_div(lse.numel(), int64_t{kWarps})),
+                    kWarps * 32, 0, stream, p);
+    }
   };
   if (dt == at::kHalf) {
     go(c10::Half{});
   } else {
     go(c10::BFloat16{});
-  }
-  if (p.splits > 1) {
-    // Merge by lse: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s; a split that
-    // attended nothing (lse_s = -inf) weighs 0, and a row no split attended stays 0, -inf.
-    lse.copy_(at::logsumexp(ws_lse, 0));
-    const at::Tensor w = at::where(ws_lse == -INFINITY, at::zeros_like(ws_lse),
-                                   at::exp(ws_lse - lse.unsqueeze(0)));
-    out.copy_((w.unsqueeze(-1) * ws_out).sum(0));
   }
   return {out, lse};
 }
