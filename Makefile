@@ -1,5 +1,5 @@
 # make bench: install, then run the main job (the benchmark against naive and PyTorch).
-# make test:  install, then run the test suite (what CI runs).
+# make test:  install, then run the test suite, a worker a CPU (what CI runs).
 # make aot:   the Hopper compile gate, quick (CI): Triton kernels compiled for sm_90 with the GPU
 #             image's Triton, in a venv of its own, and their eager launches checked to be direct
 #             (.ci/eager_launch.py); make aot-full: every config the pruners keep.
@@ -23,8 +23,10 @@ bench: .install
 	fastattn info
 	fastattn bench
 
+# (-n auto: a worker a CPU, pytest-xdist; CI's 2 cores ran the suite in 522 s against ~600-850
+# in one process, 2026-11-28)
 test: .install
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
 
 # Compile every CUDA source with nvcc (compile only: no GPU needed), as CI does.
 check-cuda: .install

@@ -51,6 +51,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_xdist_worker = []  # [True] in an xdist worker (pytest_configure)
+
+
+def pytest_configure(config):
+    # (an xdist worker has config.workerinput; PYTEST_XDIST_WORKER in the environment would also
+    # be inherited by a pytest run that a test starts, which is a controller of its own)
+    if hasattr(config, "workerinput"):
+        _xdist_worker.append(True)
+
+
 def pytest_runtest_logreport(report):
     """With FASTATTN_TEST_LOG set (the GPU protocol sets it): each test's outcome and seconds as a
     line of that file the moment it ends, and a failure's text in FILE.failures, so a run that
@@ -58,7 +68,7 @@ def pytest_runtest_logreport(report):
     crashed their worker. Written by the controlling process only (xdist workers forward their
     reports to it)."""
     path = os.environ.get("FASTATTN_TEST_LOG")
-    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or _xdist_worker:
         return
     if report.when == "call" or report.outcome != "passed":
         outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
@@ -80,7 +90,7 @@ def pytest_runtest_logreport_ends_a_lost_worker(report):
     """On a GPU, an xdist worker whose test lost the CUDA context (an illegal address, ...) ends
     itself once that test's reports are sent, and xdist starts a fresh one: one fault costs one
     test, where it cost every later test of its worker (H100, 2026-11-27: 40 of rest-ops')."""
-    if not GPU or not os.environ.get("PYTEST_XDIST_WORKER"):
+    if not GPU or not _xdist_worker:
         return
     if report.when == "call" and report.failed and any(
             s in report.longreprtext for s in _CONTEXT_LOST):
