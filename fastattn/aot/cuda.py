@@ -199,6 +199,16 @@ def cuda_sources(ops: list[str] | None = None) -> list[str]:
     return [by_op[op] for op in ops]
 
 
+def _compile_weight(source: str) -> int:
+    """Bytes of ``source`` and of the headers beside it that it includes: a proxy of its
+    compile time."""
+    with open(source) as f:
+        text = f.read()
+    here = os.path.dirname(source)
+    local = [os.path.join(here, h) for h in re.findall(r'#include "([^"/]+)"', text)]
+    return len(text) + sum(os.path.getsize(h) for h in local if os.path.isfile(h))
+
+
 def cuda_rows(quick: bool = False, jobs: int | None = None,
               ops: list[str] | None = None) -> list[Row]:
     """One Row per __global__ kernel of every csrc/cuda/*.cu (of ``ops``' files) for sm_90a. Each file is compiled
@@ -208,8 +218,11 @@ def cuda_rows(quick: bool = False, jobs: int | None = None,
     if shutil.which("nvcc") is None:
         raise CudaToolsMissing("nvcc not found on PATH")
     archs = ("sm_90a",) if quick else ("sm_80", "sm_90a")
+    # The longest first, so that they do not end the run alone (2 cores: attention.cu and
+    # varlen.cu, which instantiate attention_kernels.cuh, took 130-150 s each, the rest 20-60).
     sources = cuda_sources(ops)
     with tempfile.TemporaryDirectory() as out, \
             concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-        results = list(pool.map(lambda s: compile_file(s, out, archs), sources))
-    return [row for rows in results for row in rows]
+        futures = {s: pool.submit(compile_file, s, out, archs)
+                   for s in sorted(sources, key=_compile_weight, reverse=True)}
+        return [row for s in sources for row in futures[s].result()]
