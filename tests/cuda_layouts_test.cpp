@@ -300,6 +300,31 @@ void check_p_reuse() {
   check(ok, "accumulators of two n-tiles are the next A fragment");
 }
 
+// Paged decoding (csrc/cuda/paged.cu): a warp's 32 K and 32 V rows of DP elements, Swizzled<DP>.
+// Lane l copies (cp.async, 16 bytes) and reads back piece c of row l, all lanes the same c; in
+// P V the warp reads one row j, lane l its DP / 32 columns from l * DP / 32 (4, 8 or 16 bytes).
+template <int DP>
+void check_paged_rows() {
+  using L = Swizzled<DP>;
+  bool ok = true;
+  for (int c = 0; c < DP / kChunkElems; ++c) {
+    std::vector<int64_t> bytes(32);
+    for (int l = 0; l < 32; ++l) bytes[l] = 2 * int64_t{L::chunk_offset(l, c)};
+    ok = ok && conflict_free(bytes, 16);
+  }
+  check(ok, "paged: a lane's own row, piece by piece, conflict free", DP);
+  constexpr int VEC = DP / 32;
+  ok = true;
+  for (int j = 0; j < 32; ++j) {
+    std::vector<int64_t> bytes(32);
+    for (int l = 0; l < 32; ++l) bytes[l] = 2 * int64_t{L::offset(j, l * VEC)};
+    // (a lane's VEC columns are contiguous: they stay within one 16-byte chunk)
+    for (int l = 0; l < 32; ++l) ok = ok && L::offset(j, l * VEC + VEC - 1) == L::offset(j, l * VEC) + VEC - 1;
+    ok = ok && conflict_free(bytes, 2 * VEC);
+  }
+  check(ok, "paged: one row's columns across the warp, conflict free", DP);
+}
+
 // Control: the checker must see the 8-way conflict of an unswizzled dense 128-byte-row tile.
 struct Dense64 {
   static constexpr int offset(int row, int col) { return row * 64 + col; }
@@ -344,6 +369,9 @@ int main() {
   check_acc<128>();
   check_acc<256>();
   check_p_reuse();
+  check_paged_rows<64>();
+  check_paged_rows<128>();
+  check_paged_rows<256>();
   check_control();
   // The layout functions are constexpr: the compiler evaluates them too.
   static_assert(Swizzled<64>::offset(1, 0) == 64 + 8, "row 1 chunk 0 sits in physical chunk 1");

@@ -207,10 +207,25 @@ def test_emulated_paged_nan_only_where_attended(backend, D):
         used[table[b, t // 8].long(), t % 8] = True
     kc[~used], vc[~used] = float("nan"), float("nan")
     assert torch.equal(fastattn.paged_attention(q, kc, vc, table, seqlens, backend=backend), clean)
+    clean_v = vc[table[1, 0].long(), 3, 0, 5].item()
     vc[table[1, 0].long(), 3, 0, 5] = float("nan")  # key 3 of row 1: attended by both its queries
     out = fastattn.paged_attention(q, kc, vc, table, seqlens, backend=backend)
     assert out[1, :, :, 5].isnan().all() and not out[1, :, :, :5].isnan().any()
     assert torch.equal(out[0], clean[0])
+    # Key 8 of row 1, its last: only query 1 attends it (query 0 sees keys 0..7), while the CTA
+    # reads it for both queries' rows. A NaN in its V row reaches query 1 only; in its K row,
+    # every score of query 1 (so its whole output) and nothing of query 0.
+    last = (table[1, 1].long(), 0, 0)
+    vc[table[1, 0].long(), 3, 0, 5] = clean_v
+    vc[last + (7,)] = float("nan")
+    out = fastattn.paged_attention(q, kc, vc, table, seqlens, backend=backend)
+    assert out[1, :, 1, 7].isnan().all() and not out[1, :, 1, :7].isnan().any()
+    assert torch.equal(out[1, :, 0], clean[1, :, 0]) and torch.equal(out[0], clean[0])
+    vc[last + (7,)] = clean_v
+    kc[last + (2,)] = float("nan")
+    out = fastattn.paged_attention(q, kc, vc, table, seqlens, backend=backend)
+    assert out[1, :, 1].isnan().all()
+    assert torch.equal(out[1, :, 0], clean[1, :, 0]) and torch.equal(out[0], clean[0])
 
 
 def test_emulated_paged_bad_indices_stay_in_bounds(kernels):

@@ -68,6 +68,8 @@ KERNEL_RULES = (
     KernelRule(r"^attn_(fwd|bwd_dkdv|bwd_dq)_kernel$", required=("ldmatrix", "cp.async", "mma"),
                max_addr_ops=1.0),
     KernelRule(r"^attn_bwd_delta_kernel$"),
+    # paged decoding streams each chunk's K and V rows into shared memory (paged.cu)
+    KernelRule(r"^paged_fwd_kernel$", required=("cp.async",)),
     # float32 FFN gradients must match torch's accuracy: no tanh.approx (ffn.cu, tanh_accurate)
     KernelRule(r"^act_(fwd|bwd)_kernel$", forbidden=("tanh.approx",)),
 )
