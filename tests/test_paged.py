@@ -41,6 +41,8 @@ CASES = [
     ([2, 12], 5, 1, 1, 16, 16, 4, "top_left", None),
     ([3, 12], 5, 2, 1, 16, 16, 4, "bottom_right", None),           # fewer keys than queries: dead rows
     ([700], 1, 2, 1, 32, 32, 24, "bottom_right", None),            # key splits starting mid-block
+    ([300, 45], 1, 2, 2, 256, 256, 16, "bottom_right", None),      # MHA decode, widest heads
+    ([40, 9], 2, 8, 2, 256, 192, 8, "bottom_right", None),         # 8 rows a kv head, Dv < D
 ]
 
 
