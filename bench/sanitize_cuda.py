@@ -130,7 +130,8 @@ def varlen_calls(gen, dev):
 
 
 def paged_calls(gen, dev):
-    """Paged decoding: GQA, an empty cache row, an odd block size, one split and several."""
+    """Paged decoding: GQA (8 rows a kv head) and MHA at D100 (element copies, not cp.async), an
+    empty cache row, an odd block size, one split and several."""
     import os
 
     import fastattn
@@ -143,10 +144,10 @@ def paged_calls(gen, dev):
     for b, n in enumerate(need):
         table[b, :n] = perm[start:start + n].int()
         start += n
-    for D, splits in ((64, "1"), (128, "3"), (256, "")):
-        q = torch.randn(len(lens), 8, Lq, D, generator=gen).half().to(dev)
-        kc = torch.randn(sum(need), bs, 2, D, generator=gen).half().to(dev)
-        vc = torch.randn(sum(need), bs, 2, D, generator=gen).half().to(dev)
+    for H, Hkv, D, splits in ((8, 2, 64, "1"), (8, 2, 128, "3"), (8, 2, 256, ""), (2, 2, 100, "")):
+        q = torch.randn(len(lens), H, Lq, D, generator=gen).half().to(dev)
+        kc = torch.randn(sum(need), bs, Hkv, D, generator=gen).half().to(dev)
+        vc = torch.randn(sum(need), bs, Hkv, D, generator=gen).half().to(dev)
         os.environ["FASTATTN_CUDA_PAGED_SPLITS"] = splits
         try:
             out, lse = fastattn.paged_attention(q, kc, vc, table.to(dev),
