@@ -13,25 +13,30 @@
 //
 // Work split (flash-decoding): one CTA of kWarps warps per (key split, b, kv head, row group).
 // The rows of a kv head are its GQA group's query rows r = (h - hk * group) * Lq + i; a row group
-// is up to RB <= 8 of them (RB = 1, 4 or 8, a template parameter: the smallest that holds all the
-// group's rows, else 8 and several row groups). Every warp of the CTA serves all RB rows, and the
-// warps split the keys: warp w takes the 32-key chunks w, w + kWarps, ... of the CTA's range, so
-// each K and V row is read from memory once for all the rows that attend it (a warp a row read it
-// group times, and a CTA of an MHA decode ran one warp). Per chunk, in a warp:
-//   - lane l scores key t0 + l against the RB rows: its K row is read whole (16-byte loads when
-//     aligned, all issued before the FMAs use them) against q in shared memory (broadcasts);
+// is up to RB of them (RB = 4 or 8, a template parameter: 4 when the group's rows fit, else 8 and
+// as many row groups as needed; an MHA decode's one row runs at RB 4 with three rows dead: their
+// FMAs leave the kernel read-bound, and an RB 1 instance set cost 12 s of nvcc a build). Every
+// warp of the CTA serves all RB rows, and the warps split the keys: warp w takes the 32-key
+// chunks w, w + kWarps, ... of the CTA's range, so each K and V row is read from memory once for
+// all the rows that attend it (session 33's kernel gave a warp a row: the warps of a CTA read the
+// same rows, and an MHA decode ran one warp a CTA). Per chunk, in a warp:
+//   - lane l copies key t0 + l's K row, then its V row, to the warp's shared memory with
+//     cp.async (two groups; up to 32 whole rows of each in flight a warp, where a lane of the
+//     old kernel held 12 K loads and 64 B of V); its table entry was read a chunk ahead;
+//   - as soon as its K row lands, lane l scores its key against the RB rows (q in shared
+//     memory: broadcasts), while the V rows keep coming;
 //   - the rows' running maxima are warp-wide (a NaN kept); each lane keeps its own partial sums
 //     l (rescaled by the same factor as the row's), added over the warp once at the end;
-//   - P V: lane l owns the DP / 32 consecutive columns from l * DP / 32 (vector loads of a V row
-//     when aligned), KJ keys' V rows in flight at once, each key's p for the RB rows read back
-//     from shared memory. A key some rows attend and others not (the last Lq keys of a causal
-//     multi-token step, a window's edge) is added to the rows whose bit it has, never as 0 * v:
-//     a NaN in its V row must not reach a row that does not attend it.
+//   - P V: lane l owns the DP / 32 consecutive columns from l * DP / 32, one 4-16 byte shared
+//     read of each key's V row. A key some rows attend and others not (the last Lq keys of a
+//     causal multi-token step, a window's edge) is added to the rows whose bit it has, never as
+//     0 * v: a NaN in its V row must not reach a row that does not attend it.
 // The warps' states (m, l, acc) are merged through shared memory at the end.
 // Splits: enough CTAs for about two per SM when B * Hkv is small and the cache long (at least
-// 512 keys a split, 128 a warp); FASTATTN_CUDA_PAGED_SPLITS=n forces n (tests). One split writes out and lse
-// directly; several write their normalized out and lse to a float32 workspace, which
-// paged_merge_kernel merges by lse (a split that saw nothing has lse -inf and weight 0).
+// 512 keys a split, 128 a warp); FASTATTN_CUDA_PAGED_SPLITS=n forces n (tests). One split
+// writes out and lse directly; several write their normalized out and lse to a float32
+// workspace, which paged_merge_kernel merges by lse (a split that saw nothing has lse -inf and
+// weight 0).
 //
 // Precision: q . k, the softmax and P V in float32; out rounded to the input dtype, lse float32.
 // NaN rule (docs/numerics.md): a key no row of the CTA attends is never read, and one that some
@@ -169,7 +174,7 @@ __device__ __forceinline__ void ld_shared_rows(const float* src, float (&x)[RB])
 template <typename M16, int DP, int RB>
 __device__ __forceinline__ void dot_q_k(const PagedParams& p, const float* sq, const uint16_t* sk,
                                         int lane, float (&s)[RB]) {
-  constexpr int P = RB == 1 ? 4 : 1;
+  constexpr int P = RB < 4 ? 4 : 1;
   float acc[RB][P] = {};
   // (unrolled up to 128 columns: at DP 256, ptxas unrolling all 32 pieces took 255 registers
   // and spilled)
@@ -179,10 +184,13 @@ __device__ __forceinline__ void dot_q_k(const PagedParams& p, const float* sq, c
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
     float kf[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) kf[e] = M16::to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+    for (int e = 0; e < 8; ++e) {
+      kf[e] = M16::to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))));
+    }
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
-      const float4 qa = ld_shared<float4>(sq + r * DP + d), qb = ld_shared<float4>(sq + r * DP + d + 4);
+      const float4 qa = ld_shared<float4>(sq + r * DP + d);
+      const float4 qb = ld_shared<float4>(sq + r * DP + d + 4);
       const float qs[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[r][e % P] += qs[e] * kf[e];
@@ -257,7 +265,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<DP>) paged_fwd_kernel(co
   // The rows' q and visible ranges (within the split; empty for rows past the group).
   for (int x = threadIdx.x; x < RB * DP; x += kWarps * 32) {
     const int r = x / DP, d = x % DP, row = r0 + r;
-    const uint16_t* q = p.q + b * p.q_sb + (hk * p.group + row / p.Lq) * p.q_sh + row % p.Lq * p.q_sl;
+    const uint16_t* q =
+        p.q + b * p.q_sb + (hk * p.group + row / p.Lq) * p.q_sh + row % p.Lq * p.q_sl;
     st_shared(sq + x, r < nr && d < p.D ? M16::to_float(q[d]) : 0.f);
   }
   if (threadIdx.x < RB) {
@@ -286,9 +295,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<DP>) paged_fwd_kernel(co
     next = key_ref<RB>(p, table, t0 + 32 * kWarps + lane, sbeg, send);
     // Lane l copies key t0 + l's K row (one group) and V row (a second group): a lane scores its
     // own key as soon as its K row lands, while the V rows keep coming.
-    if (key.blk >= 0) copy_row<DP>(p, sk, lane, k_head + key.blk * p.k_sblk + key.slot * p.k_sslot, p.D);
+    if (key.blk >= 0) {
+      copy_row<DP>(p, sk, lane, k_head + key.blk * p.k_sblk + key.slot * p.k_sslot, p.D);
+    }
     cp_async_commit();
-    if (key.blk >= 0) copy_row<DP>(p, sv, lane, v_head + key.blk * p.v_sblk + key.slot * p.v_sslot, p.Dv);
+    if (key.blk >= 0) {
+      copy_row<DP>(p, sv, lane, v_head + key.blk * p.v_sblk + key.slot * p.v_sslot, p.Dv);
+    }
     cp_async_commit();
     cp_async_wait<1>();
     float s[RB];
@@ -374,7 +387,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<DP>) paged_fwd_kernel(co
     const int r = threadIdx.x;
     float mw[kWarps], mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mw[w] = ld_shared<float>(smem + S::M + w * RB + r), mx = max_nan(mx, mw[w]);
+    for (int w = 0; w < kWarps; ++w) {
+      mw[w] = ld_shared<float>(smem + S::M + w * RB + r);
+      mx = max_nan(mx, mw[w]);
+    }
     const float m_safe = mx == -INFINITY ? 0.f : mx;
     float ew[kWarps], sum = 0.f;
 #pragma unroll
@@ -402,7 +418,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<DP>) paged_fwd_kernel(co
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       // (an empty warp's acc is 0 and its weight 0; a skipped product would hide a NaN)
-      o += ld_shared<float>(smem + S::W + w * RB + r) * ld_shared<float>(smem + S::ACC + (w * RB + r) * DP + d);
+      o += ld_shared<float>(smem + S::W + w * RB + r) *
+           ld_shared<float>(smem + S::ACC + (w * RB + r) * DP + d);
     }
     if (p.splits == 1) {
       p.out[out_row(r) * p.Dv + d] = M16::from_float(o);
@@ -490,13 +507,11 @@ void launch_paged(const PagedParams& p, int64_t blocks, int device, cudaStream_t
                 stream, p);
 }
 
-// The kernel for the head dim (DP) and the rows a kv head serves (RB: 1, 4 or 8).
+// The kernel for the head dim (DP) and the rows a kv head serves (RB: 4 or 8).
 template <typename T, int DP>
 void launch_paged_rows(const PagedParams& p, int rb, int64_t blocks, int device,
                        cudaStream_t stream) {
-  if (rb == 1) {
-    launch_paged<T, DP, 1>(p, blocks, device, stream);
-  } else if (rb == 4) {
+  if (rb == 4) {
     launch_paged<T, DP, 4>(p, blocks, device, stream);
   } else {
     launch_paged<T, DP, kMaxRows>(p, blocks, device, stream);
@@ -564,7 +579,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cuda(
   p.scale = static_cast<float>(scale);
   const int device = q.device().index();
   const int64_t rows = H / Hkv * Lq;  // a kv head's query rows
-  const int rb = rows <= 1 ? 1 : rows <= 4 ? 4 : kMaxRows;
+  const int rb = rows <= 4 ? 4 : kMaxRows;
   TORCH_CHECK(ceil_div(rows, int64_t{rb}) <= 0x7fffffff, "paged_attention: too many query rows");
   p.row_groups = static_cast<int>(ceil_div(rows, int64_t{rb}));
   p.splits = num_splits(B * Hkv * p.row_groups, max_len, device);
