@@ -1,7 +1,8 @@
 """make check-cuda: the CUDA half of the Hopper compile gate (fastattn/aot/cuda.py).
 
-Compiles every csrc/cuda/*.cu once with the extension's real nvcc flags (sm_80 + sm_90a, as
-setup.py builds it), prints one row per __global__ kernel of the sm_90a build (registers, spills,
+Compiles the device code of every csrc/cuda/*.cu once with the extension's real nvcc flags
+(sm_80 + sm_90a, as setup.py builds it; the host code through nvcc's front end only: see
+fastattn.aot.cuda.nvcc_command), prints one row per __global__ kernel of the sm_90a build (registers, spills,
 shared memory, the SASS instructions that matter), and exits non-zero on a compile error, spills
 over a kernel's budget, or an attention kernel whose SASS lacks ldmatrix, cp.async or mma.
 Skipped, with a message, when nvcc is not installed. ``--quick``: sm_90a only.
