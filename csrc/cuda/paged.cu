@@ -169,13 +169,14 @@ __device__ __forceinline__ void ld_shared_rows(const float* src, float (&x)[RB])
 }
 
 // s[r] = q_r . k for row `lane` of the warp's K rows and the RB rows of q (0 past D). Pieces
-// past D are not read (a cp.async never wrote them). With one row, four partial sums break the
-// chain of FMAs (with several, the rows are independent chains).
+// past D are not read (a cp.async never wrote them). The RB >= 4 rows are independent chains of
+// FMAs.
 template <typename M16, int DP, int RB>
 __device__ __forceinline__ void dot_q_k(const PagedParams& p, const float* sq, const uint16_t* sk,
                                         int lane, float (&s)[RB]) {
-  constexpr int P = RB < 4 ? 4 : 1;
-  float acc[RB][P] = {};
+  static_assert(RB >= 4, "one accumulator a row: fewer rows would need partial sums");
+#pragma unroll
+  for (int r = 0; r < RB; ++r) s[r] = 0.f;
   // (unrolled up to 128 columns: at DP 256, ptxas unrolling all 32 pieces took 255 registers
   // and spilled)
 #pragma unroll 16
@@ -193,14 +194,8 @@ __device__ __forceinline__ void dot_q_k(const PagedParams& p, const float* sq, c
       const float4 qb = ld_shared<float4>(sq + r * DP + d + 4);
       const float qs[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[r][e % P] += qs[e] * kf[e];
+      for (int e = 0; e < 8; ++e) s[r] += qs[e] * kf[e];
     }
-  }
-#pragma unroll
-  for (int r = 0; r < RB; ++r) {
-    s[r] = acc[r][0];
-#pragma unroll
-    for (int j = 1; j < P; ++j) s[r] += acc[r][j];
   }
 }
 
