@@ -7,8 +7,11 @@ timeout), and results are packed into ``$OUT`` after every step, so a call cut s
 returns what it did. The plan, in the order a session runs it::
 
     python bench/gpu_protocol.py plan              # the calls and their budgets
-    python bench/gpu_protocol.py check             # call 1: Triton tests while the extension
-                                                   #   builds, then the CUDA kernels' tests
+    python bench/gpu_protocol.py prebuild          # HERE, before call 1 (no GPU): the extension
+                                                   #   for sm_90a against the device's Python
+                                                   #   and torch, in .gpu-prebuilt/ (carry it)
+    python bench/gpu_protocol.py check             # call 1: Triton tests beside the extension's
+                                                   #   tests (the build first, unless carried)
     python bench/gpu_protocol.py profile           # call 2, at once (warm: the build is kept):
                                                    #   ncu on the attention kernels, the cuda
                                                    #   forward's 16 against 32 rows a warp
@@ -26,7 +29,8 @@ writes ``bench/results/gpu-<date>-<gpu>/<call>/`` (logs, junit XML, bench JSON, 
 statuses and times) and, when ``$OUT`` is set, ``$OUT/<call>.tgz`` plus
 ``$OUT/<call>-summary.txt``. Unpack the tarballs under bench/results/ here and commit them.
 Every call installs the package first and, where it uses the CUDA kernels, builds the extension
-unless it is there (the machine keeps build outputs only while it stays warm, 30 s).
+unless it is there (the machine keeps build outputs only while it stays warm, 30 s) or a carried
+``.gpu-prebuilt/`` holds one built from these very sources for the device's torch and Python.
 ``--smoke OP BACKEND`` is the one-shape check that the first call runs once per kernel, each in
 its own process, so a fault costs one line.
 """
@@ -37,6 +41,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import shlex
@@ -44,6 +49,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import threading
 import time
@@ -55,6 +61,12 @@ CALL_BUDGET_S = 480          # every call's steps end within this (the tool allo
 OPS = ("attention", "softmax", "layer_norm", "ffn", "rope")
 KERNEL_TESTS = ["tests/test_attention_kernel.py"]
 PY = sys.executable
+# The device image (the device tool's KINDS.md; versions.log of every run): an extension built
+# here for it must match its Python and torch exactly (torch's C++ ABI, pybind11's, CUDA 13).
+DEVICE_PYTHON = "3.12"
+DEVICE_TORCH = "2.11.0+cu130"
+PREBUILT = ROOT / ".gpu-prebuilt"     # what `prebuild` writes and a device call carries
+PREBUILT_VENV = ROOT / ".venv-gpu"    # the device's Python and torch, here (~5 GB)
 
 
 @dataclasses.dataclass
@@ -114,16 +126,17 @@ _NO_EXT = {"FASTATTN_NO_EXTENSION": "1"}
 _INSTALL = Step("install", [PY, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
                             "-e", "."], 30, _NO_EXT)
 # (in place, not a second pip install: that would take the package away from a lane beside it;
-# 8 jobs: attention.cu and varlen.cu (attention_kernels.cuh's dense and packed instances, built
-# side by side) are most of the build's wall time, and the other 8 cores compile
-# Triton kernels for the tests beside it)
-_BUILD = Step("build", ["bash", "-c", f"{PY} -c 'import fastattn._C' 2>/dev/null || {PY} setup.py "
-                        "-q build_ext --inplace"], 220,
+# 12 jobs: attention.cu and varlen.cu (attention_kernels.cuh's dense and packed instances, built
+# side by side) are most of the build's wall time, and the other cores compile Triton kernels
+# for the tests beside it. `--build-extension`: nothing when fastattn._C imports (a warm
+# machine), else the carried prebuilt one when its stamp matches, else setup.py here.)
+_BUILD = Step("build", [PY, "bench/gpu_protocol.py", "--build-extension"], 220,
               {"TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "12"})
 # (Cold on the H100 beside the kernel tests: 97 s and 151 s on 2026-11-26's first two runs,
 # over 160 s on the third, after sessions 15-17 grew the CPU kernels: it was cut, and check's
-# CUDA steps ran without the extension.) Calls after "check" should find the build there (warm
-# machine): seconds.
+# CUDA steps ran without the extension; 146 s on 2026-11-27, before varlen.cu and paged.cu.
+# Prebuilt and carried, it costs the lease seconds.) Calls after "check" should find the build
+# there (warm machine): seconds.
 _WARM_BUILD = dataclasses.replace(_BUILD, timeout=100)
 _CLI = [PY, "-m", "fastattn.cli"]
 _QUICK_BENCH = ["--op", "attention", "--seq", "1024,4096,16384", "--mask", "none", "--budget", "0.1"]
@@ -234,16 +247,15 @@ def _bench_op(op):
 # lease makes "check" then "profile" back to back (the machine stays warm 30 s); the next lease
 # goes on with "check" again, then "bench", and so on.
 CALLS: dict[str, list[Step | Lanes]] = {
-    # 1. Correctness of both GPU backends in one call: the Triton kernels on the GPU while the
-    #    extension builds on the CPUs (then compute-sanitizer runs the CUDA kernels), then the
-    #    CUDA kernels' tests.
+    # 1. Correctness of both GPU backends in one call, side by side: the Triton kernels' smokes
+    #    and tests; the extension (built on the CPUs unless carried prebuilt), compute-sanitizer
+    #    on it, its smokes and tests. Built there, the CUDA lane is the longer (~320 s against
+    #    ~160); carried, the Triton lane is, and check ends ~150 s sooner.
     "check": [
         _INSTALL, _VERSIONS,
         Lanes([[_TRITON_INFO, Lanes([[s] for s in _smokes("triton")]), *_TRITON_TESTS],
-               [_BUILD, *_SANITIZE]]),
-        _CUDA_INFO,
-        Lanes([[s] for s in _smokes("cuda")]),
-        _CUDA_TESTS,
+               [_BUILD, *_SANITIZE, _CUDA_INFO, Lanes([[s] for s in _smokes("cuda")]),
+                _CUDA_TESTS]]),
     ],
     # 2. Why the attention kernels run as they do, second since session 24: three leases had
     #    timed the cuda attention at 0.19-0.29 of cuDNN (gpu-notes) and none had reached this.
@@ -453,6 +465,9 @@ def dry_run(calls: list[str]) -> int:
 
 
 def plan() -> None:
+    print("First, here (no GPU, no device time): python bench/gpu_protocol.py prebuild, then "
+          'name carry=[".gpu-prebuilt"] in every device call (the build step uses it where its '
+          "stamp fits, else builds there).")
     print("One device call per line, in this order (each ends by itself within its budget); a "
           "15-minute lease fits the first two, back to back (a machine stays warm 30 s): "
           "`check` (timeout_s 480; 292-345 s on 2026-11-27), then at once the first call no "
@@ -524,18 +539,154 @@ def smoke(op: str, backend: str) -> int:
     return 0 if ok else 1
 
 
+def extension_digest(root: Path = ROOT) -> str:
+    """sha256 of what the extension is built from: setup.py, its flags (fastattn/extending.py)
+    and every file under csrc/, names and contents."""
+    digest = hashlib.sha256()
+    files = [root / "setup.py", root / "fastattn" / "extending.py",
+             *sorted(p for p in (root / "csrc").rglob("*") if p.is_file())]
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def prebuilt_refusal(stamp: dict, digest: str, torch_version: str, python: str) -> str | None:
+    """Why a prebuilt extension with this stamp may not stand in for a build here, or None."""
+    for key, here in (("digest", digest), ("torch", torch_version), ("python", python)):
+        if stamp.get(key) != here:
+            return f"built for {key} {stamp.get(key)!r}, here {here!r}"
+    return None
+
+
+def _import_extension(py: str = PY) -> subprocess.CompletedProcess:
+    return subprocess.run([py, "-c", "import fastattn._C"], cwd=ROOT, capture_output=True,
+                          text=True)
+
+
+def _use_prebuilt() -> str | None:
+    """Put the carried prebuilt extension in place if its stamp matches this tree, this torch
+    and this Python and it imports; else say why not (and leave nothing behind)."""
+    stamp_path = PREBUILT / "stamp.json"
+    if not stamp_path.is_file():
+        return f"no prebuilt extension ({stamp_path.relative_to(ROOT)} was not carried)"
+    stamp = json.loads(stamp_path.read_text())
+    import torch
+    refusal = prebuilt_refusal(stamp, extension_digest(), torch.__version__,
+                               f"{sys.version_info.major}.{sys.version_info.minor}")
+    if refusal:
+        return f"the prebuilt extension does not fit: {refusal}"
+    dest = ROOT / "fastattn" / stamp["file"]
+    shutil.copy2(PREBUILT / stamp["file"], dest)
+    result = _import_extension()
+    if result.returncode != 0:
+        dest.unlink()
+        return f"the prebuilt extension did not import:\n{result.stderr[-2000:]}"
+    print(f"using the prebuilt extension: {stamp['file']} built {stamp['built']} at "
+          f"{stamp['commit']} in {stamp['seconds']:.0f} s, sources {stamp['digest'][:12]}")
+    return None
+
+
+def build_extension() -> int:
+    """check's build step: nothing when fastattn._C imports already (a machine still warm from
+    an earlier call), else the carried prebuilt extension where it fits, else nvcc here
+    (setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST and MAX_JOBS from the step)."""
+    if _import_extension().returncode == 0:
+        print("fastattn._C imports: already built")
+        return 0
+    why = _use_prebuilt()
+    if why is None:
+        return 0
+    print(f"{why}\nbuilding the extension here", flush=True)
+    return subprocess.call([PY, "setup.py", "-q", "build_ext", "--inplace"], cwd=ROOT)
+
+
+def _find_python(version: str) -> str:
+    names = [f"python{version}", *sorted(
+        str(p) for p in Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"))]
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise SystemExit(f"prebuild needs a Python {version} (the device's); none of {names} found. "
+                     f"Pass one with --python.")
+
+
+def prebuild(python: str | None = None) -> int:
+    """Here, on the CPUs, before a lease: build the extension as check's build step would on the
+    device (sm_90a, setup.py's flags) but against the device's Python and torch, installed in
+    .venv-gpu/ (torch from PyPI: the +cu130 build the image has). The result and its stamp go
+    to .gpu-prebuilt/; a device call with carry [".gpu-prebuilt"] then skips the build."""
+    venv_py = PREBUILT_VENV / "bin" / "python"
+    if not venv_py.exists():
+        subprocess.check_call([python or _find_python(DEVICE_PYTHON), "-m", "venv",
+                               str(PREBUILT_VENV)])
+        subprocess.check_call([str(venv_py), "-m", "pip", "install", "-q",
+                               f"torch=={DEVICE_TORCH.split('+')[0]}", "ninja", "wheel",
+                               "setuptools>=70.1,<82"])
+    probe = subprocess.run([str(venv_py), "-c", "import sys, sysconfig, torch; print(torch."
+                            "__version__, f'{sys.version_info[0]}.{sys.version_info[1]}', "
+                            "sysconfig.get_config_var('EXT_SUFFIX'))"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    torch_version, python_version, suffix = probe
+    if (torch_version, python_version) != (DEVICE_TORCH, DEVICE_PYTHON):
+        raise SystemExit(f"{PREBUILT_VENV} has torch {torch_version} on Python {python_version}; "
+                         f"the device has {DEVICE_TORCH} on {DEVICE_PYTHON}")
+    shutil.rmtree(PREBUILT, ignore_errors=True)
+    digest, start = extension_digest(), time.monotonic()
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": _BUILD.env["TORCH_CUDA_ARCH_LIST"],
+           "MAX_JOBS": str(os.cpu_count() or 1)}
+    env.pop("FASTATTN_NO_EXTENSION", None)
+    env.pop("FASTATTN_NO_CUDA", None)
+    # (torch takes CUDA_HOME from the nvcc on PATH when unset: here a wrapper in /usr/local/bin,
+    # whose ../lib64 holds no libcudart to link against)
+    if "CUDA_HOME" not in env and Path("/usr/local/cuda/bin/nvcc").exists():
+        env["CUDA_HOME"] = "/usr/local/cuda"
+    subprocess.check_call([str(venv_py), "setup.py", "-q", "build_ext", "--build-lib",
+                           str(PREBUILT / "lib"), "--build-temp",
+                           str(ROOT / "build" / "gpu-prebuilt")], cwd=ROOT, env=env)
+    seconds = time.monotonic() - start
+    if extension_digest() != digest:
+        raise SystemExit("the sources changed during the build; run prebuild again")
+    name = f"_C{suffix}"
+    (PREBUILT / "lib" / "fastattn" / name).rename(PREBUILT / name)
+    shutil.rmtree(PREBUILT / "lib")
+    # Loading it resolves every symbol against the device's torch (RTLD_NOW): a wrong ABI fails
+    # here, not in the lease.
+    subprocess.run([str(venv_py), "-c", "import importlib.util, sys, torch; spec = importlib.util."
+                    f"spec_from_file_location('fastattn._C', sys.argv[1]); "
+                    "importlib.util.module_from_spec(spec)", str(PREBUILT / name)], check=True)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    stamp = {"file": name, "digest": digest, "torch": torch_version, "python": python_version,
+             "arch": env["TORCH_CUDA_ARCH_LIST"], "commit": commit, "seconds": seconds,
+             "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    (PREBUILT / "stamp.json").write_text(json.dumps(stamp, indent=1) + "\n")
+    size = (PREBUILT / name).stat().st_size / 2**20
+    print(f"{PREBUILT / name}: {size:.1f} MiB, built in {seconds:.0f} s. Carry it: "
+          f'run(..., carry=[".gpu-prebuilt"])')
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("calls", nargs="*", help=f"plan, all, or calls: {', '.join(CALLS)}")
     parser.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
     parser.add_argument("--smoke", nargs=2, metavar=("OP", "BACKEND"))
+    parser.add_argument("--build-extension", action="store_true",
+                        help="check's build step (on the device)")
+    parser.add_argument("--python", help=f"prebuild: a Python {DEVICE_PYTHON} for .venv-gpu/")
     args = parser.parse_args(argv)
     if args.smoke:
         return smoke(*args.smoke)
+    if args.build_extension:
+        return build_extension()
     calls = list(CALLS) if args.calls in ([], ["all"]) else args.calls
     if calls == ["plan"]:
         plan()
         return 0
+    if calls == ["prebuild"]:
+        return prebuild(args.python)
     unknown = [c for c in calls if c not in CALLS]
     if unknown:
         parser.error(f"unknown call(s) {unknown}; choose from plan, all, {', '.join(CALLS)}")

@@ -153,3 +153,61 @@ def test_cxx_exception_probe_of_a_built_op(tmp_path):
                                          list(DEFAULT_CFLAGS), list(DEFAULT_LDFLAGS))
     assert len(lines) == 2 and all(line.strip().startswith("ok") for line in lines), lines
     assert "after its parallel loop: raised RuntimeError: probe asked to fail, x of shape [3]" in lines[1]
+
+
+def _tree(root, source="int x;\n"):
+    (root / "csrc" / "cuda").mkdir(parents=True)
+    (root / "fastattn").mkdir()
+    (root / "setup.py").write_text("setup()\n")
+    (root / "fastattn" / "extending.py").write_text("FLAGS = ('-O3',)\n")
+    (root / "csrc" / "cuda" / "a.cu").write_text(source)
+    return root
+
+
+def test_extension_digest_follows_every_source_the_build_reads(tmp_path):
+    root = _tree(tmp_path / "t")
+    digest = protocol.extension_digest(root)
+    assert digest == protocol.extension_digest(root)
+    assert len(digest) == 64
+    (root / "csrc" / "cuda" / "a.cu").write_text("int y;\n")
+    changed = protocol.extension_digest(root)
+    assert changed != digest
+    (root / "fastattn" / "extending.py").write_text("FLAGS = ('-O2',)\n")
+    assert protocol.extension_digest(root) != changed
+    # a file's name counts too: the same bytes under another name build something else
+    other = _tree(tmp_path / "u")
+    (other / "csrc" / "cuda" / "a.cu").rename(other / "csrc" / "cuda" / "b.cu")
+    assert protocol.extension_digest(other) != digest
+
+
+def test_prebuilt_extension_only_stands_in_for_the_same_sources_torch_and_python():
+    stamp = {"digest": "d" * 64, "torch": protocol.DEVICE_TORCH, "python": protocol.DEVICE_PYTHON}
+    here = ("d" * 64, protocol.DEVICE_TORCH, protocol.DEVICE_PYTHON)
+    assert protocol.prebuilt_refusal(stamp, *here) is None
+    assert "digest" in protocol.prebuilt_refusal(stamp, "e" * 64, *here[1:])
+    assert "2.10.0" in protocol.prebuilt_refusal(stamp, here[0], "2.10.0+cu130", here[2])
+    assert "python" in protocol.prebuilt_refusal(stamp, *here[:2], "3.11")
+    assert "torch" in protocol.prebuilt_refusal({**stamp, "torch": None}, *here)
+
+
+def test_build_step_refuses_a_stale_prebuilt_extension_and_leaves_nothing(tmp_path, monkeypatch):
+    prebuilt = tmp_path / ".gpu-prebuilt"
+    prebuilt.mkdir()
+    name = "_C.stale-test.so"
+    (prebuilt / name).write_bytes(b"not a library")
+    import torch
+    stamp = {"file": name, "digest": "0" * 64, "torch": torch.__version__,
+             "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    (prebuilt / "stamp.json").write_text(json.dumps(stamp))
+    monkeypatch.setattr(protocol, "PREBUILT", prebuilt)
+    why = protocol._use_prebuilt()
+    assert why is not None and "digest" in why
+    assert not (ROOT / "fastattn" / name).exists()
+    # the same file stamped for these sources is put in place, and taken away when it does not
+    # import
+    (prebuilt / "stamp.json").write_text(json.dumps({**stamp, "digest": protocol.extension_digest()}))
+    monkeypatch.setattr(protocol, "_import_extension", lambda py=None: protocol.subprocess.
+                        CompletedProcess([], 1, "", "ImportError: undefined symbol"))
+    why = protocol._use_prebuilt()
+    assert why is not None and "did not import" in why and "undefined symbol" in why
+    assert not (ROOT / "fastattn" / name).exists()
