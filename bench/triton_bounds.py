@@ -164,16 +164,17 @@ class BoundsChecker:
             checker._begin(ex, args_hst, kwargs_hst)
             return args_hst, kwargs_hst
 
-        def masked_load(builder, ptrs, mask, other, cache_policy, is_volatile):
+        # (the cache arguments after `other` / `mask`: (cache_policy, is_volatile) in Triton
+        # 3.9, (cache_modifier, eviction_policy, is_volatile) in 3.6, the GPU image's)
+        def masked_load(builder, ptrs, mask, other, *cache):
             mask = checker._check("load", ptrs, mask)
             if other is None and not np.all(mask.data):
                 checker._note_undefined_other()
-            return orig["create_masked_load"](builder, ptrs, mask, other, cache_policy,
-                                              is_volatile)
+            return orig["create_masked_load"](builder, ptrs, mask, other, *cache)
 
-        def masked_store(builder, ptrs, value, mask, cache_policy):
+        def masked_store(builder, ptrs, value, mask, *cache):
             mask = checker._check("store", ptrs, mask)
-            return orig["create_masked_store"](builder, ptrs, value, mask, cache_policy)
+            return orig["create_masked_store"](builder, ptrs, value, mask, *cache)
 
         G._init_args_hst = init_args_hst
         B.create_masked_load = masked_load

@@ -209,7 +209,7 @@ def attention_jvp(q, k, v, mask, tq, tk, tv, tmask, scale, offset, left, right, 
     def grid(meta):
         return (tuning.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
-    kernel = torch.library.wrap_triton(_attn_jvp_kernel)[grid]
+    kernel = tuning.wrap_triton(_attn_jvp_kernel)[grid]
     kernel(
         q, k, v, tq_, tk_, tv_, c.mask, q if tmask is None else tmask, tout, tlse,
         *_strides3(q, k, v, tq_, tk_, tv_, tout),

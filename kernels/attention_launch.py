@@ -128,7 +128,7 @@ def _bwd_delta(out, dout, delta, strides, slices, H, Lq, Dv):
     packed): ``slices`` (batch, head) slices of Lq rows, ``strides`` the batch, head and row
     strides of out, then of dout. float32 rows at 8 warps: at 4, the 64 x 128 float32 tiles of
     O and dO spilled 4/4 B on sm_90 (D80, D128)."""
-    torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[(tuning.cdiv(Lq, _PRE_BLOCK_M) * slices,)](
+    tuning.wrap_triton(_attn_bwd_preprocess_kernel)[(tuning.cdiv(Lq, _PRE_BLOCK_M) * slices,)](
         out, dout, delta, *strides, H, Lq,
         HEAD_DIM_V=Dv, BLOCK_DV=_head_block(Dv), BLOCK_M=_PRE_BLOCK_M,
         num_warps=8 if out.dtype == torch.float32 else 4,
@@ -205,7 +205,7 @@ def attention_forward(q, k, v, mask, scale, offset, left, right, dropout_p, seed
     args = (q, c.k, c.v, out, lse, c.mask, *_strides3(q, c.k, c.v, out), *c.mask_strides,
             *c.fwd_scalars)
     consts = c.consts
-    kernel = torch.library.wrap_triton(_attn_fwd_kernel)[grid]
+    kernel = tuning.wrap_triton(_attn_fwd_kernel)[grid]
 
     def launch(use_tma):
         kernel(*args, USE_TMA=use_tma, FIXUP=False, **consts)
@@ -272,11 +272,11 @@ def attention_backward(dout, q, k, v, out, lse, mask, scale, offset, left, right
         return (tuning.cdiv(Lq, meta["BLOCK_M"]) * B * H,)
 
     tma = descriptors.use_tma(q, k, v, dout)
-    dkdv_kernel = torch.library.wrap_triton(_attn_bwd_dkdv_kernel)[grid_kv]
+    dkdv_kernel = tuning.wrap_triton(_attn_bwd_dkdv_kernel)[grid_kv]
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, c.mask, *_strides3(q, k, v, dout, dk, dv),
                  *c.mask_strides, *c.scalars)
     descriptors.launch(lambda use_tma: dkdv_kernel(*dkdv_args, USE_TMA=use_tma, **c.consts), tma)
-    dq_kernel = torch.library.wrap_triton(_attn_bwd_dq_kernel)[grid_q]
+    dq_kernel = tuning.wrap_triton(_attn_bwd_dq_kernel)[grid_q]
     dq_args = (q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, c.mask,
                *_strides3(q, k, v, dout, dq), *c.mask_strides, *c.scalars)
     descriptors.launch(lambda use_tma: dq_kernel(*dq_args, USE_TMA=use_tma, NEED_DMASK=need_dmask,

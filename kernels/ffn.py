@@ -308,7 +308,7 @@ def _matmul(name, a, b, c, n, *, bias=None, pre=None, act=None, partial=None,
         return (tuning.cdiv(M, meta["BLOCK_M"]) * tuning.cdiv(n, meta["BLOCK_N"]),)
 
     pre_strides = pre.stride() if pre is not None else (0, 0)
-    torch.library.wrap_triton(_matmul_kernel)[grid](
+    tuning.wrap_triton(_matmul_kernel)[grid](
         a, b, c, bias, pre, act, partial,
         M, n, K, tuning.bucket(M), tuning.bucket(n), tuning.bucket(K),
         partial.shape[0] if partial is not None else 0,

@@ -401,7 +401,7 @@ def layer_norm_fwd(x, residual, weight, bias, eps, rms):
         block_n = tuning.next_power_of_2(N)
         block_m = _rows_per_tile(block_n, M, tuning.num_sms(x.device))
         grid = (tuning.cdiv(M, block_m),)
-        torch.library.wrap_triton(_layer_norm_fwd_kernel)[grid](
+        tuning.wrap_triton(_layer_norm_fwd_kernel)[grid](
             x, res_arg, w_arg, b_arg, y, h_arg, mean_arg, rstd,
             x.stride(0), stride_res, y.stride(0), stride_h,
             M, N, float(eps),
@@ -409,7 +409,7 @@ def layer_norm_fwd(x, residual, weight, bias, eps, rms):
             num_warps=_num_warps(block_m * block_n, 16),
         )
     else:
-        torch.library.wrap_triton(_layer_norm_fwd_looped_kernel)[(M,)](
+        tuning.wrap_triton(_layer_norm_fwd_looped_kernel)[(M,)](
             x, res_arg, w_arg, b_arg, y, h_arg, mean_arg, rstd,
             x.stride(0), stride_res, y.stride(0), stride_h,
             N, float(eps),
@@ -471,10 +471,10 @@ def layer_norm_bwd(dy, dh, h, weight, mean, rstd, rms, output_mask):
     args = (dy, dh_arg, h, w_arg, mean_arg, rstd, dx, dw_part, db_part,
             dy.stride(0), stride_dh, h.stride(0), dx.stride(0), M, N, tiles_per_program)
     if looped:
-        torch.library.wrap_triton(_layer_norm_bwd_looped_kernel)[(programs,)](
+        tuning.wrap_triton(_layer_norm_bwd_looped_kernel)[(programs,)](
             *args, BLOCK_N=block_n, **flags, num_warps=num_warps)
     else:
-        torch.library.wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
+        tuning.wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
             *args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=num_warps)
 
     # Distinct empty tensors: outputs of a custom op must not alias each other.

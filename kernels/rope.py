@@ -138,7 +138,7 @@ def rope_fwd(x, cos, sin, positions, interleaved, inverse):
     pos_arg = positions if positions is not None else cos
     spb, spl = (positions.stride(0), positions.stride(1)) if positions is not None else (0, 0)
     num_warps = max(1, min(8, block_l * block_half * 2 // 512))
-    torch.library.wrap_triton(_rope_kernel)[grid](
+    tuning.wrap_triton(_rope_kernel)[grid](
         x, cos, sin, pos_arg, y,
         x.stride(0), x.stride(1), x.stride(2),
         spb, spl,

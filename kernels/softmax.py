@@ -245,11 +245,11 @@ def softmax_fwd(x, mask, scale, is_causal):
     short = _short_launch(n_rows, Lk)
     if short is not None:
         block_m, block_n, num_warps = short
-        torch.library.wrap_triton(_softmax_fwd_kernel)[(tuning.cdiv(n_rows, block_m),)](
+        tuning.wrap_triton(_softmax_fwd_kernel)[(tuning.cdiv(n_rows, block_m),)](
             *args, n_rows, Lk, *common, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps)
     else:
-        torch.library.wrap_triton(_softmax_fwd_long_kernel)[(n_rows,)](
+        tuning.wrap_triton(_softmax_fwd_long_kernel)[(n_rows,)](
             *args, Lk, *common, **flags, BLOCK_N=_LONG_BLOCK_N, num_warps=8)
     return y
 
@@ -268,10 +268,10 @@ def softmax_bwd(dy, y, scale):
     short = _short_launch(n_rows, Lk)
     if short is not None:
         block_m, block_n, num_warps = short
-        torch.library.wrap_triton(_softmax_bwd_kernel)[(tuning.cdiv(n_rows, block_m),)](
+        tuning.wrap_triton(_softmax_bwd_kernel)[(tuning.cdiv(n_rows, block_m),)](
             dx, dy, y, n_rows, Lk, *common, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps)
     else:
-        torch.library.wrap_triton(_softmax_bwd_long_kernel)[(n_rows,)](
+        tuning.wrap_triton(_softmax_bwd_long_kernel)[(n_rows,)](
             dx, dy, y, Lk, *common, BLOCK_N=_LONG_BLOCK_N, num_warps=8)
     return dx

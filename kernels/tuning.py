@@ -29,6 +29,22 @@ def interpreting():
         return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 
+def wrap_triton(kernel):
+    """``torch.library.wrap_triton(kernel)`` (how every launcher launches, so that the launch
+    can be traced), except for a kernel that Triton's interpreter made (TRITON_INTERPRET=1: an
+    ``InterpretedFunction``, maybe under autotune or heuristics), which launches as it is. torch
+    2.13 does the same; torch 2.12 and older refuse a bare interpreted kernel and fail at the
+    launch of an autotuned one (torch 2.11, the GPU image's, 2026-11-29)."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.interpreter import InterpretedFunction
+    inner = kernel
+    while isinstance(inner, (Autotuner, Heuristics)):
+        inner = inner.fn
+    if isinstance(inner, InterpretedFunction):
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 #: Whether Triton runs kernels on the CPU: TRITON_INTERPRET as Triton itself reads it, at import.
 INTERPRET = interpreting()
 

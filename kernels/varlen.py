@@ -489,7 +489,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
     lo_b, hi_b = _band_flags(left, right, max_q + max_k)
     block_m, block_n, warps, stages, _ = _tiles(D, Dv, q.dtype)
     grid = (tuning.cdiv(max_q, block_m), batch, H)
-    torch.library.wrap_triton(_varlen_fwd_kernel)[grid](
+    tuning.wrap_triton(_varlen_fwd_kernel)[grid](
         q, k, v, out, lse, cu_q, cu_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -537,7 +537,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
     if max_k:
         dkdv = shape("dkdv")
         grid = (tuning.cdiv(max_k, dkdv["BLOCK_N"]), batch, Hkv)
-        torch.library.wrap_triton(_varlen_dkdv_kernel)[grid](
+        tuning.wrap_triton(_varlen_dkdv_kernel)[grid](
             q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
@@ -546,7 +546,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, bo
     if max_q:
         dq_shape = shape("dq")
         grid = (tuning.cdiv(max_q, dq_shape["BLOCK_M"]), batch, H)
-        torch.library.wrap_triton(_varlen_dq_kernel)[grid](
+        tuning.wrap_triton(_varlen_dq_kernel)[grid](
             q, k, v, dout, lse, delta, dq, cu_q, cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
@@ -588,7 +588,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
     block_table = block_table.contiguous()
     cache_seqlens = cache_seqlens.contiguous()
     lo_b, hi_b = _band_flags(left, right, Lq + max_len)
-    torch.library.wrap_triton(_paged_fwd_kernel)[(splits, B * Hkv, row_tiles)](
+    tuning.wrap_triton(_paged_fwd_kernel)[(splits, B * Hkv, row_tiles)](
         q, k_cache, v_cache, block_table, cache_seqlens, o_part, lse_part,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -602,7 +602,7 @@ def paged_forward(q, k_cache, v_cache, block_table, cache_seqlens, scale, bottom
     )
     # Merge the splits, one launch (it was seven torch ops: their launches outlasted a batch-1
     # decode step's kernel).
-    torch.library.wrap_triton(_paged_merge_kernel)[(B * H * Lq,)](
+    tuning.wrap_triton(_paged_merge_kernel)[(B * H * Lq,)](
         o_part, lse_part, out, lse, splits, HEAD_DIM_V=Dv,
         BLOCK_S=max(16, tuning.next_power_of_2(splits)), BLOCK_DV=_head_block(Dv), CHUNK=8, num_warps=4)
     return out, lse
