@@ -35,13 +35,14 @@ def wrap_triton(kernel):
     ``InterpretedFunction``, maybe under autotune or heuristics), which launches as it is. torch
     2.13 does the same; torch 2.12 and older refuse a bare interpreted kernel and fail at the
     launch of an autotuned one (torch 2.11, the GPU image's, 2026-11-29)."""
-    from triton.runtime.autotuner import Autotuner, Heuristics
-    from triton.runtime.interpreter import InterpretedFunction
-    inner = kernel
-    while isinstance(inner, (Autotuner, Heuristics)):
-        inner = inner.fn
-    if isinstance(inner, InterpretedFunction):
-        return kernel
+    if INTERPRET:  # (on a GPU: no more than torch's own call, small launches are host-bound)
+        from triton.runtime.autotuner import Autotuner, Heuristics
+        from triton.runtime.interpreter import InterpretedFunction
+        inner = kernel
+        while isinstance(inner, (Autotuner, Heuristics)):
+            inner = inner.fn
+        if isinstance(inner, InterpretedFunction):
+            return kernel
     return torch.library.wrap_triton(kernel)
 
 
