@@ -49,7 +49,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import threading
 import time
