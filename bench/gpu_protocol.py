@@ -558,8 +558,8 @@ def prebuilt_refusal(stamp: dict, digest: str, torch_version: str, python: str) 
     return None
 
 
-def _import_extension(py: str = PY) -> subprocess.CompletedProcess:
-    return subprocess.run([py, "-c", "import fastattn._C"], cwd=ROOT, capture_output=True,
+def _import_extension() -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-c", "import fastattn._C"], cwd=ROOT, capture_output=True,
                           text=True)
 
 

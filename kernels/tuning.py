@@ -29,25 +29,20 @@ def interpreting():
         return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 
-def wrap_triton(kernel):
-    """``torch.library.wrap_triton(kernel)`` (how every launcher launches, so that the launch
-    can be traced), except for a kernel that Triton's interpreter made (TRITON_INTERPRET=1: an
-    ``InterpretedFunction``, maybe under autotune or heuristics), which launches as it is. torch
-    2.13 does the same; torch 2.12 and older refuse a bare interpreted kernel and fail at the
-    launch of an autotuned one (torch 2.11, the GPU image's, 2026-11-29)."""
-    if INTERPRET:  # (on a GPU: no more than torch's own call, small launches are host-bound)
-        from triton.runtime.autotuner import Autotuner, Heuristics
-        from triton.runtime.interpreter import InterpretedFunction
-        inner = kernel
-        while isinstance(inner, (Autotuner, Heuristics)):
-            inner = inner.fn
-        if isinstance(inner, InterpretedFunction):
-            return kernel
-    return torch.library.wrap_triton(kernel)
-
-
 #: Whether Triton runs kernels on the CPU: TRITON_INTERPRET as Triton itself reads it, at import.
 INTERPRET = interpreting()
+
+
+def _interpreted(kernel):
+    return kernel
+
+
+#: How every launcher launches a kernel, chosen once: ``torch.library.wrap_triton`` (so that a
+#: launch can be traced), or under the interpreter the kernel as it is (the ops are then opaque
+#: custom ops, never traced into). torch 2.13's wrap_triton hands an interpreted kernel back
+#: itself; 2.12 and older refuse a bare one and fail at the launch of an autotuned one (torch
+#: 2.11, the GPU image's, 2026-11-29).
+wrap_triton = _interpreted if INTERPRET else torch.library.wrap_triton
 
 #: ``None``, or ``{"capability": (major, minor), "sms": count}`` to plan for without a GPU.
 TARGET = None
