@@ -1,7 +1,7 @@
 // The emulated module (fastattn/aot/emulate.py builds it): every CUDA op's functions, as the
 // torch ops of the cuda backend take them, but on CPU tensors, run on the host emulator
 // (cuda_emulator.h); and the emulator's own controls (selftest.cpp).
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace fastattn {
 void emulated_attention(pybind11::module& m);

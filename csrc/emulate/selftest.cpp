@@ -6,7 +6,8 @@
 #include "fastattn/cuda_helpers.cuh"
 #include "fastattn/cuda_mma.cuh"
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 

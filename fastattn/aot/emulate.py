@@ -67,7 +67,8 @@ def load(verbose: bool = False):
         name="fastattn_cuda_emulated",
         sources=SOURCES,
         extra_include_paths=[os.path.join(ROOT, "csrc", "include"), cuda_include_dir()],
-        # -O1: ~150 s for the seven files on 2 cores; the tests then take ~35 s.
+        # -O1: the nine files took 161 s on 2 cores, the tests then ~55 s (2026-11-29; 390 s
+        # while the sources included <torch/extension.h> instead of torch's pybind header).
         extra_cflags=["-O1", "-std=c++17", "-Wno-unknown-pragmas"],
         build_directory=build,
         verbose=verbose,

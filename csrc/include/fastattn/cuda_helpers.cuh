@@ -55,7 +55,9 @@
 #include <optional>
 
 #ifdef FASTATTN_CUDA_EMULATE
-#include <torch/extension.h>         // pybind11, for the emulated module's bindings
+// pybind11 and its at::Tensor casters, for the emulated module's bindings: not
+// <torch/extension.h>, which adds the whole C++ frontend (~30 s more a translation unit)
+#include <torch/csrc/utils/pybind.h>
 
 #include "fastattn/cuda_emulator.h"  // the host build that runs the kernels in CI (no GPU)
 #endif
