@@ -18,14 +18,15 @@
 // they are written once, there. The Python side (fastattn/ops/_library.py: eager_fast_path) calls
 // these only outside torch.compile (calls that record a graph: only in plain eager mode) and
 // only when the backend choice for the call is the cpu backend's own implementation.
-#include <torch/extension.h>
-
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/forward_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
