@@ -4,6 +4,8 @@
 // checks the arguments and instantiates their dense (PACKED = false) launches.
 #include "attention_kernels.cuh"
 
+#include <ATen/ops/zeros.h>
+
 namespace fastattn {
 namespace cuda {
 namespace {

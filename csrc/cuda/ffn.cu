@@ -39,8 +39,8 @@
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 #include "fastattn/activation.h"
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
 
 #include <array>
 #include <string>

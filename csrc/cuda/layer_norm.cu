@@ -31,9 +31,7 @@
 // Accepted dtypes and shapes: fastattn/layer_norm.h.
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
-#include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>

@@ -52,9 +52,6 @@
 // out-of-bounds access.
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <tuple>

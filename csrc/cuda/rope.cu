@@ -19,9 +19,6 @@
 // read through the read-only cache. Memory bound: one read of x, one write of y.
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
 #include "fastattn/common.h"
 
 namespace fastattn {

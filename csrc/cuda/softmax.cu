@@ -32,9 +32,6 @@
 // Both kernels use grid-stride loops over rows, so any row count fits in the capped grid.
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
 #include <type_traits>
 
 #include "fastattn/common.h"

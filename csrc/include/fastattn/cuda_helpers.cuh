@@ -35,8 +35,15 @@
 #endif
 #endif
 
+// The few torch headers the sources need (ATen/ATen.h would add ~5 s of nvcc's front end a
+// pass; see below for torch/library.h).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+// Only the host pass registers the ops (FASTATTN_CUDA_IMPL_*): nvcc's device passes, one an
+// architecture, skip torch/library.h and its dispatcher headers (~5 s of cicc each).
+#if !defined(__CUDA_ARCH__) && !defined(FASTATTN_CUDA_EMULATE)
 #include <torch/library.h>
+#endif
 #ifndef FASTATTN_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -382,7 +389,10 @@ inline unsigned grid_1d(int64_t blocks) {
 // fastattn::emulated_NAME(module) instead, which binds them as NAME_fwd / NAME_bwd of the
 // emulated module (csrc/emulate/module.cpp). FASTATTN_CUDA_IMPL_FWD: the same for an op with a
 // forward only (rope, paged_attention).
-#ifndef FASTATTN_CUDA_EMULATE
+#if defined(__CUDA_ARCH__) && !defined(FASTATTN_CUDA_EMULATE)
+#define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)
+#define FASTATTN_CUDA_IMPL_FWD(NAME)
+#elif !defined(FASTATTN_CUDA_EMULATE)
 #define FASTATTN_CUDA_IMPL_FWD_BWD(NAME)             \
   TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {             \
     m.impl(#NAME "_fwd", &cuda::NAME##_fwd_cuda);     \

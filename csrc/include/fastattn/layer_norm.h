@@ -8,7 +8,8 @@
 // in that dtype. mean (unused by RMSNorm) and rstd are contiguous float32 (M,).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <tuple>
