@@ -4,6 +4,13 @@
 #             image's Triton, in a venv of its own, and their eager launches checked to be direct
 #             (.ci/eager_launch.py); make aot-full: every config the pruners keep.
 PY ?= python3
+# .install stands for "this tree is installed into $(PY)"; it goes when $(PY) finds fastattn
+# elsewhere or not at all (a new environment, a moved clone), so that `make install` reinstalls.
+INSTALLED_AT := $(shell cd / && $(PY) -c "import importlib.util as u, os; s = u.find_spec('fastattn'); \
+	print(os.path.realpath(s.submodule_search_locations[0]) if s else '')" 2>/dev/null)
+ifneq ($(INSTALLED_AT),$(realpath $(CURDIR))/fastattn)
+$(shell rm -f .install)
+endif
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu csrc/include/*/*.h)
 
 # The Triton version of the GPU image (docs/benchmarking.md): the gate compiles with it.
