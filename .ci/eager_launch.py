@@ -16,10 +16,15 @@ os.environ["FASTATTN_AUTOTUNE"] = "0"
 
 import torch  # noqa: E402
 import torch._higher_order_ops.triton_kernel_wrap as wrap  # noqa: E402
+from torch._library.triton import triton_ops_to_kernels  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+# The Triton ops register as on a GPU machine, through torch.library.triton_op (where no GPU is
+# seen they are plain custom ops: fastattn/ops/_library.py, triton_op). Nothing here runs on one.
+_cuda_available, torch.cuda.is_available = torch.cuda.is_available, lambda: True
 from fastattn.backends import interpreting  # noqa: E402
 from fastattn.ops._library import DEFINED, plain_eager  # noqa: E402
+torch.cuda.is_available = _cuda_available
 
 launches, traced = [], []
 JITFunction.run = lambda self, *args, **kwargs: launches.append(self.fn.__name__)
@@ -40,6 +45,11 @@ def main() -> int:
         return 1
     if not plain_eager():
         print("eager_launch: not plain eager here")
+        return 1
+    missing = [f"fastattn::triton_{op}_fwd" for op in ("layer_norm", "softmax")
+               if f"fastattn::triton_{op}_fwd" not in triton_ops_to_kernels]
+    if missing:
+        print(f"eager_launch: not registered through torch.library.triton_op: {', '.join(missing)}")
         return 1
     g = torch.Generator().manual_seed(0)
 

@@ -119,7 +119,16 @@ class Backend:
         return problem or (self.lacks(op, needs) if needs else None)
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result``: the mark it sets, set without importing
+    torch._dynamo, which that function does first (2.7 of ``import fastattn``'s 7 s on the CPU
+    here, torch 2.13). tests/test_backends.py checks that torch's decorator marks a function
+    this same way and no other."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def _unavailable_constant(name: str) -> str | None:
     return _REGISTRY[name].unavailable()
 

@@ -155,6 +155,33 @@ def test_a_remembered_choice_follows_the_registry_context_and_environment(monkey
     assert calls[-2:] == ["other", "spy"]
 
 
+def test_availability_is_marked_constant_as_torch_marks_it():
+    """fastattn marks the availability check for torch.compile as torch's own decorator would,
+    without importing torch._dynamo (which is 2.7 s of an import): the same mark, and nothing
+    else, so a torch that changes how it marks fails here."""
+    def ours():
+        pass
+
+    def torchs():
+        pass
+
+    assert backends.assume_constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(torchs) is torchs
+    assert ours.__dict__ == torchs.__dict__ != {}
+
+
+def test_import_loads_neither_dynamo_nor_inductor():
+    """``import fastattn`` stays light on a machine with no GPU: torch.compile's machinery
+    (torch._dynamo, torch._inductor: 4-5 s on this project's CPU) loads when it is used."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the Triton ops register through torch.library.triton_op, which loads both")
+    code = "import sys, fastattn; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("name", ["auto", *backends.BUILTIN])
 def test_selection_compiles_without_graph_breaks(name, monkeypatch):
     """torch.compile(fullgraph=True) runs the choice of a backend (the first call of a kind, not

@@ -324,11 +324,14 @@ def triton_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
     (launched through ``wrap_triton``) without a graph break. Under the Triton interpreter
     (TRITON_INTERPRET=1, CPU tensors) kernels cannot run on fake tensors, so the op is an opaque
     ``custom_op`` with ``fake`` as its fake implementation; behaviour in eager mode is the same.
+    So it is on a machine with no CUDA GPU, where the triton backend cannot run (it says so):
+    ``triton_op`` reads each launcher's source and imports torch._inductor to do it, which was
+    4 of ``import fastattn``'s 7.5 s on the CPU here (torch 2.13).
     """
 
     def register(fn: Callable) -> Callable:
         qualname = f"fastattn::{name}"
-        if interpreting():
+        if interpreting() or not torch.cuda.is_available():
             op = torch.library.custom_op(qualname, fn, mutates_args=())
             op.register_fake(fake)
             return op
