@@ -4,8 +4,6 @@
 // checks the arguments and instantiates their dense (PACKED = false) launches.
 #include "attention_kernels.cuh"
 
-#include <ATen/ops/zeros.h>
-
 namespace fastattn {
 namespace cuda {
 namespace {
@@ -70,8 +68,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
                                                       int64_t seed) {
   AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
   const DeviceGuard guard(q.device());
-  return forward</*PACKED=*/false>(p, q, at::empty({p.B, p.H, p.Lq, p.Dv}, q.options()),
-                 at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat)));
+  return forward</*PACKED=*/false>(p, q, empty_tensor({p.B, p.H, p.Lq, p.Dv}, q.options()),
+                 empty_tensor({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat)));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
@@ -82,8 +80,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
   const DeviceGuard guard(q.device());
   // Not asked for: an empty tensor of q's dtype, as the op's fake implementation returns.
-  at::Tensor dmask = need_dmask ? at::zeros({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(at::kFloat))
-                                : at::empty({0}, q.options());
+  at::Tensor dmask = need_dmask ? zeros_tensor({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(at::kFloat))
+                                : empty_tensor({0}, q.options());
   p.dmask = need_dmask && dmask.numel() > 0 ? dmask.data_ptr<float>() : nullptr;
   auto [dq, dk, dv] = backward</*PACKED=*/false>(p, dout, q, k, v, out, lse);
   return {dq, dk, dv, dmask};

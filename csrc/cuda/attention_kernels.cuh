@@ -1713,10 +1713,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(AttnParams& p, const at:
   check_dtype(lse, at::kFloat, "lse");
   check_contiguous(lse, "lse");
 
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), q.options());
-  at::Tensor dv = at::empty(v.sizes(), q.options());
-  at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  at::Tensor dq = empty_tensor(q.sizes(), q.options());
+  at::Tensor dk = empty_tensor(k.sizes(), q.options());
+  at::Tensor dv = empty_tensor(v.sizes(), q.options());
+  at::Tensor delta = empty_tensor(lse.sizes(), lse.options());
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
 
   p.dout = reinterpret_cast<const uint16_t*>(dout.const_data_ptr());

@@ -39,8 +39,8 @@
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 #include "fastattn/activation.h"
 
-#include <ATen/ops/addmm.h>
-#include <ATen/ops/mm.h>
+#include <ATen/ops/addmm_ops.h>
+#include <ATen/ops/mm_ops.h>
 
 #include <array>
 #include <string>
@@ -54,6 +54,13 @@ namespace cuda {
 namespace {
 
 using namespace ::fastattn::cuda_helpers;
+
+// at::mm(a, b) and at::addmm(bias, a, b): the same op calls through their entry points, whose
+// headers leave out the ~5 s that ATen/ops/mm.h and addmm.h cost every nvcc pass (common.h).
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) { return at::_ops::mm::call(a, b); }
+at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
+  return at::_ops::addmm::call(bias, a, b, /*beta=*/1, /*alpha=*/1);
+}
 
 constexpr float kSqrt1_2 = 0.70710678118654752f;      // 1 / sqrt(2)
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
@@ -250,11 +257,11 @@ __global__ void __launch_bounds__(256)
 // Column sums of the (M, N) row matrix `in` (unit column stride) in `in`'s dtype.
 at::Tensor column_sum(const at::Tensor& in, cudaStream_t stream) {
   const int64_t M = in.size(0), N = in.size(1);
-  at::Tensor out = at::empty({N}, in.options());
+  at::Tensor out = empty_tensor({N}, in.options());
   if (N == 0) return out;
   if (M == 0) return out.zero_();
   const int64_t num_chunks = ceil_div(M, kChunkRows);
-  at::Tensor partial = at::empty({num_chunks, N}, in.options().dtype(at::kFloat));
+  at::Tensor partial = empty_tensor({num_chunks, N}, in.options().dtype(at::kFloat));
   const dim3 block(kColTile, kColRowThreads);
   const dim3 grid(grid_1d(ceil_div(N, kColTile)),
                   static_cast<unsigned>(num_chunks < kMaxGridY ? num_chunks : kMaxGridY));
@@ -376,8 +383,8 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cuda(const at::Tensor& x, const at::T
   const DeviceGuard guard(x.device());
   const cudaStream_t stream = current_stream(x.device().index());
 
-  at::Tensor pre = b1.has_value() ? at::addmm(*b1, x, w1.t()) : at::mm(x, w1.t());
-  at::Tensor a = at::empty({M, F}, x.options());
+  at::Tensor pre = b1.has_value() ? addmm(*b1, x, w1.t()) : mm(x, w1.t());
+  at::Tensor a = empty_tensor({M, F}, x.options());
   ActParams p{};
   p.pre = pre.data_ptr();
   p.a = a.data_ptr();
@@ -387,7 +394,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cuda(const at::Tensor& x, const at::T
   TORCH_CHECK(pre.dim() == 2 && (F1 <= 1 || pre.stride(1) == 1),
               "ffn_fwd: internal error, pre-activation is not row-major");
   launch_act(p, spec, /*backward=*/false, x.scalar_type(), x.element_size(), stream);
-  at::Tensor out = b2.has_value() ? at::addmm(*b2, a, w2.t()) : at::mm(a, w2.t());
+  at::Tensor out = b2.has_value() ? addmm(*b2, a, w2.t()) : mm(a, w2.t());
   return {out, pre};
 }
 
@@ -410,10 +417,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   const DeviceGuard guard(x.device());
   const cudaStream_t stream = current_stream(x.device().index());
 
-  at::Tensor da = at::mm(dout, w2);  // (M, F), row-major
+  at::Tensor da = mm(dout, w2);  // (M, F), row-major
   at::Tensor da_c = da.is_contiguous() ? da : da.contiguous();
-  at::Tensor dpre = at::empty({M, F1}, x.options());
-  at::Tensor a = at::empty({M, F}, x.options());
+  at::Tensor dpre = empty_tensor({M, F1}, x.options());
+  at::Tensor a = empty_tensor({M, F}, x.options());
   ActParams p{};
   p.pre = pre.data_ptr();
   p.da = da_c.data_ptr();
@@ -424,11 +431,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   p.pre_stride = pre.stride(0);
   launch_act(p, spec, /*backward=*/true, x.scalar_type(), x.element_size(), stream);
 
-  at::Tensor dx = at::mm(dpre, w1);
-  at::Tensor dw1 = at::mm(dpre.t(), x);
-  at::Tensor dw2 = at::mm(dout.t(), a);
-  at::Tensor db1 = output_mask[0] ? column_sum(dpre, stream) : at::empty({0}, w1.options());
-  at::Tensor db2 = output_mask[1] ? column_sum(dout, stream) : at::empty({0}, w2.options());
+  at::Tensor dx = mm(dpre, w1);
+  at::Tensor dw1 = mm(dpre.t(), x);
+  at::Tensor dw2 = mm(dout.t(), a);
+  at::Tensor db1 = output_mask[0] ? column_sum(dpre, stream) : empty_tensor({0}, w1.options());
+  at::Tensor db2 = output_mask[1] ? column_sum(dout, stream) : empty_tensor({0}, w2.options());
   return {dx, dw1, db1, dw2, db2};
 }
 

@@ -471,11 +471,11 @@ void launch_bwd(BwdParams<T, W> p, int threads, int groups, at::Tensor& dweight,
   if (num_acc > 0) {  // (without weight and bias both are undefined: they have no options)
     const auto f32 = (dweight.defined() ? dweight : dbias).options().dtype(at::kFloat);
     if (dweight.defined()) {
-      part_w = at::empty({grid, p.n}, f32);
+      part_w = empty_tensor({grid, p.n}, f32);
       p.part_w = part_w.data_ptr<float>();
     }
     if (dbias.defined()) {
-      part_b = at::empty({grid, p.n}, f32);
+      part_b = empty_tensor({grid, p.n}, f32);
       p.part_b = part_b.data_ptr<float>();
     }
   }
@@ -581,11 +581,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
               " elements are too long (at most 2^31 - 2)");
   const DeviceGuard device_guard(h.device());
   const int64_t m = h.size(0), n = h.size(1);
-  at::Tensor dx = at::empty({m, n}, h.options());
+  at::Tensor dx = empty_tensor({m, n}, h.options());
   const bool want_dw = weight.has_value() && output_mask[0];
   const bool want_db = weight.has_value() && output_mask[1];
-  at::Tensor dweight = want_dw ? at::empty({n}, weight->options()) : at::Tensor();
-  at::Tensor dbias = want_db ? at::empty({n}, weight->options()) : at::Tensor();
+  at::Tensor dweight = want_dw ? empty_tensor({n}, weight->options()) : at::Tensor();
+  at::Tensor dbias = want_db ? empty_tensor({n}, weight->options()) : at::Tensor();
   if (m == 0 || n == 0) {
     if (want_dw) dweight.zero_();
     if (want_db) dbias.zero_();
@@ -600,7 +600,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
       }
     });
   }
-  const at::Tensor empty = at::empty({0}, h.options());
+  const at::Tensor empty = empty_tensor({0}, h.options());
   return {dx, want_dw ? dweight : empty, want_db ? dbias : empty};
 }
 

@@ -544,8 +544,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cuda(
               "the cache (max_blocks * block_size = ", max_len, ") and Lq must fit in int32");
 
   const DeviceGuard guard(q.device());
-  at::Tensor out = at::empty({B, H, Lq, Dv}, q.options());
-  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_tensor({B, H, Lq, Dv}, q.options());
+  at::Tensor lse = empty_tensor({B, H, Lq}, q.options().dtype(at::kFloat));
   if (lse.numel() == 0) return {out, lse};
 
   PagedParams p{};
@@ -581,8 +581,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cuda(
     p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
     p.lse = lse.data_ptr<float>();
   } else {
-    ws_out = at::empty({p.splits, B, H, Lq, Dv}, q.options().dtype(at::kFloat));
-    ws_lse = at::empty({p.splits, B, H, Lq}, q.options().dtype(at::kFloat));
+    ws_out = empty_tensor({p.splits, B, H, Lq, Dv}, q.options().dtype(at::kFloat));
+    ws_lse = empty_tensor({p.splits, B, H, Lq}, q.options().dtype(at::kFloat));
     p.ws_out = ws_out.data_ptr<float>();
     p.ws_lse = ws_lse.data_ptr<float>();
     p.out = reinterpret_cast<uint16_t*>(out.data_ptr());  // (the merge's)

@@ -197,7 +197,7 @@ at::Tensor rope_fwd_cuda(const at::Tensor& x, const at::Tensor& cos, const at::T
                 " rows, got ", cos.size(0));
   }
   const DeviceGuard guard(x.device());
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = empty_tensor(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (y.numel() == 0) return y;
 
   RopeParams p{};

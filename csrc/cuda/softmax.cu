@@ -398,7 +398,7 @@ at::Tensor softmax_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>
     check_shape(*mask, x.sizes(), "mask");
   }
   const DeviceGuard guard(x.device());
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = empty_tensor(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (y.numel() == 0) return y;
 
   FwdParams p{};
@@ -436,7 +436,7 @@ at::Tensor softmax_bwd_cuda(const at::Tensor& dy, const at::Tensor& y, double sc
   check_cuda_tensor(dy, "dy");
   check_softmax_bwd(dy, y, /*allow_double=*/false);
   const DeviceGuard guard(y.device());
-  at::Tensor dx = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dx = empty_tensor(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
   if (dx.numel() == 0) return dx;
 
   BwdParams p{};

@@ -79,8 +79,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cuda(
   AttnParams p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, bottom_right, left,
                                     right, dropout_p, seed);
   const DeviceGuard guard(q.device());
-  return forward</*PACKED=*/true>(p, q, at::empty({q.size(0), p.H, p.Dv}, q.options()),
-                 at::empty({p.H, q.size(0)}, q.options().dtype(at::kFloat)));
+  return forward</*PACKED=*/true>(p, q, empty_tensor({q.size(0), p.H, p.Dv}, q.options()),
+                 empty_tensor({p.H, q.size(0)}, q.options().dtype(at::kFloat)));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cuda(

@@ -36,9 +36,9 @@
 #endif
 
 // The few torch headers the sources need (ATen/ATen.h would add ~5 s of nvcc's front end a
-// pass; see below for torch/library.h).
+// pass, and so would ATen/ops/empty.h: fastattn/common.h makes new tensors without it; see
+// below for torch/library.h).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 // Only the host pass registers the ops (FASTATTN_CUDA_IMPL_*): nvcc's device passes, one an
 // architecture, skip torch/library.h and its dispatcher headers (~5 s of cicc each).
 #if !defined(__CUDA_ARCH__) && !defined(FASTATTN_CUDA_EMULATE)

@@ -9,7 +9,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <tuple>
@@ -90,9 +89,9 @@ inline LayerNormFwdOutputs layer_norm_fwd_outputs(const at::Tensor& x, bool resi
                                                   bool rms) {
   const int64_t m = x.size(0), n = x.size(1);
   const auto f32 = x.options().dtype(at::kFloat);
-  LayerNormFwdOutputs o{at::empty({m, n}, x.options()),
-                        residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options()),
-                        rms ? at::empty({0}, f32) : at::empty({m}, f32), at::empty({m}, f32),
+  LayerNormFwdOutputs o{empty_tensor({m, n}, x.options()),
+                        residual ? empty_tensor({m, n}, x.options()) : empty_tensor({0}, x.options()),
+                        rms ? empty_tensor({0}, f32) : empty_tensor({m}, f32), empty_tensor({m}, f32),
                         m == 0 || n == 0};
   if (m > 0 && n == 0) {
     o.mean.zero_();
