@@ -133,13 +133,15 @@ def facts() -> str:
     return "\n".join(out)
 
 
+# (ATen/core/Tensor.h, not ATen/ATen.h: the same runtime, linking and unwinding, built in 8 s
+# instead of 18 on CI's machine)
 _USER_OP = r"""
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 static at::Tensor probe(const at::Tensor& x, bool fail) {
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = x.new_empty(x.sizes());
   const float* xp = x.const_data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, x.numel(), 4096, [&](int64_t a, int64_t b) {
