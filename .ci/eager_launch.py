@@ -21,10 +21,10 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 # The Triton ops register as on a GPU machine, through torch.library.triton_op (where no GPU is
 # seen they are plain custom ops: fastattn/ops/_library.py, triton_op). Nothing here runs on one.
-_cuda_available, torch.cuda.is_available = torch.cuda.is_available, lambda: True
+_device_count, torch.cuda.device_count = torch.cuda.device_count, lambda: 1
 from fastattn.backends import interpreting  # noqa: E402
 from fastattn.ops._library import DEFINED, plain_eager  # noqa: E402
-torch.cuda.is_available = _cuda_available
+torch.cuda.device_count = _device_count
 
 launches, traced = [], []
 JITFunction.run = lambda self, *args, **kwargs: launches.append(self.fn.__name__)

@@ -9,6 +9,7 @@ so one fake function and one autograd formula serve both (and likewise ``_bwd``)
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from functools import partial
@@ -317,6 +318,14 @@ def _define_cpp(op: str, kernel: str, fakes: dict[str, Callable | None]) -> Comp
     })
 
 
+@functools.cache
+def gpu_seen() -> bool:
+    """Whether torch sees a CUDA device, asked as ``torch.cuda.device_count`` asks: through NVML
+    where it can, so that importing fastattn leaves CUDA uninitialized (a process may still
+    fork), as it did before it asked."""
+    return torch.cuda.device_count() > 0
+
+
 def triton_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
     """Register the decorated launcher wrapper as the op ``fastattn::<name>``.
 
@@ -331,7 +340,7 @@ def triton_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
 
     def register(fn: Callable) -> Callable:
         qualname = f"fastattn::{name}"
-        if interpreting() or not torch.cuda.is_available():
+        if interpreting() or not gpu_seen():
             op = torch.library.custom_op(qualname, fn, mutates_args=())
             op.register_fake(fake)
             return op
