@@ -80,8 +80,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   AttnParams p = make_params(q, k, v, mask, scale, offset, left, right, dropout_p, seed);
   const DeviceGuard guard(q.device());
   // Not asked for: an empty tensor of q's dtype, as the op's fake implementation returns.
-  at::Tensor dmask = need_dmask ? zeros_tensor({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(at::kFloat))
-                                : empty_tensor({0}, q.options());
+  at::Tensor dmask =
+      need_dmask ? empty_tensor({p.B, p.H, p.Lq, p.Lk}, q.options().dtype(at::kFloat)).zero_()
+                 : empty_tensor({0}, q.options());
   p.dmask = need_dmask && dmask.numel() > 0 ? dmask.data_ptr<float>() : nullptr;
   auto [dq, dk, dv] = backward</*PACKED=*/false>(p, dout, q, k, v, out, lse);
   return {dq, dk, dv, dmask};

@@ -5,30 +5,22 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_ops.h>
-#include <ATen/ops/zeros_ops.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
 
 namespace fastattn {
 
-// New tensors, as at::empty(size, options) and at::zeros(size, options) make them: the same op
-// calls, through the entry points those inline functions call. Their own headers
-// (ATen/ops/empty.h, zeros.h) bring ATen/Context.h and DeviceGuard.h with them: ~5 s of every
-// nvcc front-end pass over a .cu file and of every emulated (g++) translation unit (CUDA 13,
-// torch 2.13, 2026-11-29); ATen/ops/<op>_ops.h declares only the entry point.
+// A new tensor, as at::empty(size, options) makes it: the same op call, through the entry point
+// that inline function calls (zeros: `.zero_()` on it). Its own header (ATen/ops/empty.h, like
+// zeros.h) brings ATen/Context.h and DeviceGuard.h with it: ~5 s of every nvcc front-end pass
+// over a .cu file and of every emulated (g++) translation unit (CUDA 13, torch 2.13,
+// 2026-11-29); ATen/ops/empty_ops.h declares only the entry point.
 inline at::Tensor empty_tensor(at::IntArrayRef size, const at::TensorOptions& options) {
   return at::_ops::empty_memory_format::call(
       c10::fromIntArrayRefSlow(size), c10::optTypeMetaToScalarType(options.dtype_opt()),
       options.layout_opt(), options.device_opt(), options.pinned_memory_opt(),
       c10::impl::check_tensor_options_and_extract_memory_format(options, std::nullopt));
-}
-
-inline at::Tensor zeros_tensor(at::IntArrayRef size, const at::TensorOptions& options) {
-  return at::_ops::zeros::call(c10::fromIntArrayRefSlow(size),
-                               c10::optTypeMetaToScalarType(options.dtype_opt()),
-                               options.layout_opt(), options.device_opt(),
-                               options.pinned_memory_opt());
 }
 
 // A contiguous last dimension, any other strides (an empty tensor, as autograd may hand over, can
