@@ -141,6 +141,14 @@ def interpreting() -> bool:
 
 
 @functools.cache
+def gpu_seen() -> bool:
+    """Whether torch sees a CUDA device, asked as ``torch.cuda.device_count`` asks: through NVML
+    where it can, so that it leaves CUDA uninitialized (a process may still fork). For import
+    time (which Triton ops to register); the backends' availability asks CUDA itself."""
+    return torch.cuda.device_count() > 0
+
+
+@functools.cache
 def _triton_unavailable() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"

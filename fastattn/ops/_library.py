@@ -9,7 +9,6 @@ so one fake function and one autograd formula serve both (and likewise ``_bwd``)
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from dataclasses import dataclass
 from functools import partial
@@ -19,7 +18,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from fastattn import _extension, backends
-from fastattn.backends import interpreting
+from fastattn.backends import gpu_seen, interpreting
 
 
 _REBUILD = "rebuild it: pip install --no-build-isolation --no-deps -e ."
@@ -316,14 +315,6 @@ def _define_cpp(op: str, kernel: str, fakes: dict[str, Callable | None]) -> Comp
         part: cpp_op(f"{kernel}_{part}", fake) for part, fake in fakes.items()
         if fake is not None and hasattr(torch.ops.fastattn, f"{kernel}_{part}")
     })
-
-
-@functools.cache
-def gpu_seen() -> bool:
-    """Whether torch sees a CUDA device, asked as ``torch.cuda.device_count`` asks: through NVML
-    where it can, so that importing fastattn leaves CUDA uninitialized (a process may still
-    fork), as it did before it asked."""
-    return torch.cuda.device_count() > 0
 
 
 def triton_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
