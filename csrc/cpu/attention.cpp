@@ -64,8 +64,10 @@
 // Precision: float32 / float16 / bfloat16 compute in float32 (inputs converted once), float64 in
 // float64; outputs are rounded once. Limits: none on head dims or lengths beyond memory; all
 // index arithmetic is int64 (the dropout counter i * Lk + j wraps mod 2^32 by definition).
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_ops.h>
+#include <ATen/ops/isfinite_ops.h>
 #include <c10/util/Logging.h>
 #include <torch/library.h>
 
@@ -564,7 +566,7 @@ bool torch_forward_kept(const at::Tensor& q, const at::Tensor& lse) {
   const float* l = lse.const_data_ptr<float>();
   bool suspect = false;
   for (int64_t i = 0; i < lse.numel(); ++i) suspect |= !std::isfinite(l[i]) || l[i] == 0.0f;
-  return !suspect || at::isfinite(q).all().item<bool>();
+  return !suspect || at::_ops::isfinite::call(q).all().item<bool>();
 }
 
 void log_torch_kernel() {
@@ -640,7 +642,7 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   // out and reads them back once more, which few queries never earn back (a third of the
   // forward's time at 64 queries against 1024 keys).
   const bool local = nqb * sh.G <= 2;
-  at::Tensor qp = at::empty({packed_rows_size(sh.B * sh.H * sh.Lq, sh.D)}, acc_opts);
+  at::Tensor qp = empty_tensor({packed_rows_size(sh.B * sh.H * sh.Lq, sh.D)}, acc_opts);
   at::Tensor kt, vp;
   const KvTiles<T, A> tiles{k.const_data_ptr<T>(), strides_of(k), v.const_data_ptr<T>(),
                             strides_of(v), sh, BK, ldk, Dvp};
@@ -648,8 +650,8 @@ void attention_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
     pack_rows<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, sh.D,
                     qp.data_ptr<A>(), static_cast<A>(scale));
   } else {
-    kt = at::empty({sh.B * sh.Hkv * nkb * sh.D * ldk}, acc_opts);
-    vp = at::empty({packed_rows_size(sh.B * sh.Hkv * sh.Lk, Dvp)}, acc_opts);
+    kt = empty_tensor({sh.B * sh.Hkv * nkb * sh.D * ldk}, acc_opts);
+    vp = empty_tensor({packed_rows_size(sh.B * sh.Hkv * sh.Lk, Dvp)}, acc_opts);
     pack_qkv<T, A>(q.const_data_ptr<T>(), strides_of(q), k.const_data_ptr<T>(), strides_of(k),
                    v.const_data_ptr<T>(), strides_of(v), sh, BK, ldk, static_cast<A>(scale),
                    qp.data_ptr<A>(), kt.data_ptr<A>(), vp.data_ptr<A>(), Dvp);
@@ -686,7 +688,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
   const bool plain = !(mask.has_value() && mask->defined()) && dropout_p == 0.0;
   const bool decode = plain && (offset == 0 || offset == Lk - Lq) && Lq * (H / k.size(1)) <= kDecodeRows;
   if (B * H * Lq > 0 && Lk > 0 && !decode && torch_forward_applies(q, k, v, plain, band)) {
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, std::nullopt, scale);
+    auto [o, l] = at::_ops::_scaled_dot_product_flash_attention_for_cpu::call(
+        q, k, v, 0.0, false, std::nullopt, scale);
     l = l.contiguous();
     if (torch_forward_kept(q, l)) {
       log_torch_kernel();
@@ -694,8 +697,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q_in, con
     }
   }
   // (allocated only when our kernels write them: torch's returns its own)
-  at::Tensor out = at::empty({B, H, Lq, Dv}, q.options());
-  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_tensor({B, H, Lq, Dv}, q.options());
+  at::Tensor lse = empty_tensor({B, H, Lq}, q.options().dtype(at::kFloat));
   if (B * H * Lq == 0) return {out, lse};
   if (Lk == 0) {
     out.zero_();
@@ -731,16 +734,16 @@ void attention_bwd_impl(const at::Tensor& dout, const at::Tensor& q, const at::T
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const bool two_pass =
       static_cast<double>(ceil_div(BG, threads) * threads) * 0.6 > static_cast<double>(BG);
-  at::Tensor qp = at::empty({packed_rows_size(BH * sh.Lq, Dp)}, acc_opts);
-  at::Tensor qt = at::empty({two_pass ? BH * nqb * sh.D * TQ : 0}, acc_opts);
-  at::Tensor dop = at::empty({packed_rows_size(BH * sh.Lq, Dvp)}, acc_opts);
-  at::Tensor dot = at::empty({two_pass ? BH * nqb * sh.Dv * TQ : 0}, acc_opts);
-  at::Tensor kp = at::empty({packed_rows_size(BG * sh.Lk, Dp)}, acc_opts);
-  at::Tensor kt = at::empty({BG * nkb * sh.D * TK}, acc_opts);
-  at::Tensor vp = at::empty({two_pass ? packed_rows_size(BG * sh.Lk, Dvp) : 0}, acc_opts);
-  at::Tensor vt = at::empty({BG * nkb * sh.Dv * TK}, acc_opts);
-  at::Tensor lse = at::empty({BH * Lq_pad}, acc_opts);
-  at::Tensor delta = at::empty({BH * Lq_pad}, acc_opts);
+  at::Tensor qp = empty_tensor({packed_rows_size(BH * sh.Lq, Dp)}, acc_opts);
+  at::Tensor qt = empty_tensor({two_pass ? BH * nqb * sh.D * TQ : 0}, acc_opts);
+  at::Tensor dop = empty_tensor({packed_rows_size(BH * sh.Lq, Dvp)}, acc_opts);
+  at::Tensor dot = empty_tensor({two_pass ? BH * nqb * sh.Dv * TQ : 0}, acc_opts);
+  at::Tensor kp = empty_tensor({packed_rows_size(BG * sh.Lk, Dp)}, acc_opts);
+  at::Tensor kt = empty_tensor({BG * nkb * sh.D * TK}, acc_opts);
+  at::Tensor vp = empty_tensor({two_pass ? packed_rows_size(BG * sh.Lk, Dvp) : 0}, acc_opts);
+  at::Tensor vt = empty_tensor({BG * nkb * sh.Dv * TK}, acc_opts);
+  at::Tensor lse = empty_tensor({BH * Lq_pad}, acc_opts);
+  at::Tensor delta = empty_tensor({BH * Lq_pad}, acc_opts);
   // Q is packed times scale: S = (scale Q) K^T, and dK = dS^T (scale Q).
   const A sc = static_cast<A>(scale);
   pack_rows<T, A>(q.const_data_ptr<T>(), strides_of(q), sh.B, sh.H, sh.Lq, sh.D, Dp, qp.data_ptr<A>(), sc);
@@ -837,12 +840,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   const at::Tensor dout = unit_last(dout_in), out = unit_last(out_in);
   const cpu::MaskView mview = cpu::make_mask_view(mask, {B, H, Lq, Lk}, q, "q");
   const Dropout drop = make_dropout(dropout_p, seed);
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = empty_tensor(q.sizes(), q.options());
+  at::Tensor dk = empty_tensor(k.sizes(), k.options());
+  at::Tensor dv = empty_tensor(v.sizes(), v.options());
   const auto dmask_dtype = acc_dtype(q.scalar_type());
-  at::Tensor dmask = need_dmask ? at::zeros({B, H, Lq, Lk}, q.options().dtype(dmask_dtype))
-                                : at::empty({0}, q.options().dtype(dmask_dtype));
+  const auto dmask_opts = q.options().dtype(dmask_dtype);
+  at::Tensor dmask = need_dmask ? empty_tensor({B, H, Lq, Lk}, dmask_opts).zero_()
+                                : empty_tensor({0}, dmask_opts);
   if (B * H * Lq == 0 || Lk == 0) {
     dq.zero_();
     dk.zero_();

@@ -6,8 +6,8 @@
 // file gets its own copy compiled for its workers' ISA targets.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <atomic>
@@ -661,7 +661,7 @@ at::Tensor acc_output(const at::Tensor& t) {
   if constexpr (std::is_same_v<T, A>) {
     return t;
   } else {
-    return at::empty(t.sizes(), t.options().dtype(c10::CppTypeToScalarType<A>::value));
+    return empty_tensor(t.sizes(), t.options().dtype(c10::CppTypeToScalarType<A>::value));
   }
 }
 

@@ -24,8 +24,8 @@
 //
 // Precision: as the forward (float32 accumulation for float32 / float16 / bfloat16, float64 for
 // float64); O' is rounded once to the input dtype, lse' is float32.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -198,12 +198,12 @@ void attention_jvp_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t BH = sh.B * sh.H, BG = sh.B * sh.Hkv;
   const A sc = static_cast<A>(scale);
   auto rows = [&](const at::Tensor& x, int64_t heads, int64_t L, int64_t dim, int64_t dpad, A s) {
-    at::Tensor buf = at::empty({packed_rows_size(sh.B * heads * L, dpad)}, acc_opts);
+    at::Tensor buf = empty_tensor({packed_rows_size(sh.B * heads * L, dpad)}, acc_opts);
     pack_rows<T, A>(x.const_data_ptr<T>(), strides_of(x), sh.B, heads, L, dim, dpad, buf.data_ptr<A>(), s);
     return buf;
   };
   auto tiles = [&](const at::Tensor& x) {
-    at::Tensor buf = at::empty({BG * nkb * sh.D * BK}, acc_opts);
+    at::Tensor buf = empty_tensor({BG * nkb * sh.D * BK}, acc_opts);
     pack_transposed<T, A>(x.const_data_ptr<T>(), strides_of(x), sh.B, sh.Hkv, sh.Lk, sh.D, BK, buf.data_ptr<A>());
     return buf;
   };
@@ -248,8 +248,8 @@ std::tuple<at::Tensor, at::Tensor> attention_jvp_cpu(
                                     tmview.kind == mview.kind),
               "tmask (the mask's tangent) needs a floating mask of its dtype");
   const Dropout drop = make_dropout(dropout_p, seed);
-  at::Tensor tout = at::zeros({B, H, Lq, Dv}, q.options());
-  at::Tensor tlse = at::zeros({B, H, Lq}, q.options().dtype(at::kFloat));
+  at::Tensor tout = empty_tensor({B, H, Lq, Dv}, q.options()).zero_();
+  at::Tensor tlse = empty_tensor({B, H, Lq}, q.options().dtype(at::kFloat)).zero_();
   if (B * H * Lq == 0 || Lk == 0) return {tout, tlse};
   const Band band = make_band(offset, left, right, Lq, Lk);
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "attention_jvp_cpu", [&] {

@@ -25,8 +25,8 @@
 // the `a` recomputed in backward is bit-identical to the forward's.
 //
 // Activations: gelu (erf), gelu_tanh, relu, silu, swiglu, geglu; anything else is an error.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -302,7 +302,7 @@ int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / std::max
 template <class T>
 at::Tensor column_sum(const T* t, int64_t M, int64_t N, int64_t ld, const at::TensorOptions& opts) {
   using A = acc_t<T>;
-  at::Tensor out = at::empty({N}, opts.dtype(c10::CppTypeToScalarType<A>::value));
+  at::Tensor out = empty_tensor({N}, opts.dtype(c10::CppTypeToScalarType<A>::value));
   A* o = out.data_ptr<A>();
   at::parallel_for(0, cpu::ceil_div(N, 64), std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)),
                    [&](int64_t k0, int64_t k1) {
@@ -409,7 +409,7 @@ struct Gemm {
 
 // x @ w^T (+ bias), contiguous.
 at::Tensor linear_bias(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  return b.has_value() ? at::addmm(*b, x, w.t()) : at::mm(x, w.t());
+  return b.has_value() ? addmm_call(*b, x, w.t()) : mm_call(x, w.t());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -426,7 +426,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cpu(const at::Tensor& x, const at::Te
   check_bias(b2, w2.size(0), x, "b2");
   const Gemm gemm(x.scalar_type());
   at::Tensor pre = gemm.out(linear_bias(gemm.in(x), gemm.in(w1), gemm.in(b1))).contiguous();
-  at::Tensor a = at::empty({d.M, d.F}, x.options());
+  at::Tensor a = empty_tensor({d.M, d.F}, x.options());
   if (d.M > 0 && d.F > 0) {
     FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "ffn_fwd_cpu", [&] {
       const scalar_t* pp = pre.const_data_ptr<scalar_t>();
@@ -453,16 +453,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   const at::Tensor pre = pre_in.contiguous();
   const Gemm gemm(x.scalar_type());
   const at::Tensor dout_g = gemm.in(dout);
-  const at::Tensor da = gemm.out(at::mm(dout_g, gemm.in(w2))).contiguous();  // (M, F)
-  at::Tensor dpre = at::empty({d.M, d.F1}, x.options());
-  at::Tensor a = at::empty({d.M, d.F}, x.options());
-  at::Tensor db1 = at::empty({0}, w1.options()), db2 = at::empty({0}, w2.options());
+  const at::Tensor da = gemm.out(mm_call(dout_g, gemm.in(w2))).contiguous();  // (M, F)
+  at::Tensor dpre = empty_tensor({d.M, d.F1}, x.options());
+  at::Tensor a = empty_tensor({d.M, d.F}, x.options());
+  at::Tensor db1 = empty_tensor({0}, w1.options()), db2 = empty_tensor({0}, w2.options());
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "ffn_bwd_cpu", [&] {
     using A = acc_t<scalar_t>;
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<A>::value);
     const int64_t blocks = cpu::row_blocks(d.M);
     at::Tensor part;
-    if (output_mask[0] && blocks > 0) part = at::zeros({blocks, d.F1}, acc_opts);
+    if (output_mask[0] && blocks > 0) part = empty_tensor({blocks, d.F1}, acc_opts).zero_();
     if (d.M > 0 && d.F > 0) {
       const scalar_t* pp = pre.const_data_ptr<scalar_t>();
       const scalar_t* dap = da.const_data_ptr<scalar_t>();
@@ -481,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
     }
     if (output_mask[0]) {
       db1 = part.defined() ? cpu::sum_partials<A>(part).to(w1.scalar_type())
-                           : at::zeros({d.F1}, w1.options());
+                           : empty_tensor({d.F1}, w1.options()).zero_();
     }
     if (output_mask[1]) {
       const at::Tensor dc = dout.stride(1) == 1 || D2 <= 1 ? dout : dout.contiguous();
@@ -490,9 +490,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
     }
   });
   const at::Tensor dpre_g = gemm.in(dpre);
-  at::Tensor dw2 = gemm.out(at::mm(dout_g.t(), gemm.in(a)));
-  at::Tensor dx = gemm.out(at::mm(dpre_g, gemm.in(w1)));
-  at::Tensor dw1 = gemm.out(at::mm(dpre_g.t(), gemm.in(x)));
+  at::Tensor dw2 = gemm.out(mm_call(dout_g.t(), gemm.in(a)));
+  at::Tensor dx = gemm.out(mm_call(dpre_g, gemm.in(w1)));
+  at::Tensor dw1 = gemm.out(mm_call(dpre_g.t(), gemm.in(x)));
   return {dx, dw1, db1, dw2, db2};
 }
 

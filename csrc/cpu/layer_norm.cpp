@@ -25,8 +25,9 @@
 // Precision: float32 / float16 / bfloat16 compute in float32, float64 in float64 (so gradcheck
 // runs); mean and rstd are returned as float32 whatever the dtype (docs/numerics.md). An empty row
 // (N = 0) has mean 0 and rstd 1 / sqrt(eps). Accepted dtypes: see fastattn/layer_norm.h.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -406,12 +407,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
   const bool want_db = weight.has_value() && output_mask[1];
   const auto acc = acc_dtype(h.scalar_type());
   const auto acc_opts = h.options().dtype(acc);
-  at::Tensor dx = at::empty({m, n}, h.options());
+  at::Tensor dx = empty_tensor({m, n}, h.options());
   at::Tensor part_w, part_b;
   const int64_t blocks = cpu::row_blocks(m);
   if ((want_dw || want_db) && m > 0 && n > 0) {
-    part_w = at::empty({blocks, n}, acc_opts);
-    part_b = at::empty({blocks, n}, acc_opts);
+    part_w = empty_tensor({blocks, n}, acc_opts);
+    part_b = empty_tensor({blocks, n}, acc_opts);
   }
   if (m > 0 && n > 0) {
     FASTATTN_DISPATCH_FLOATING_HALF_BF16(h.scalar_type(), "layer_norm_bwd_cpu", [&] {
@@ -419,8 +420,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
     });
   }
   auto finish = [&](bool want, const at::Tensor& part) {
-    if (!want) return at::empty({0}, h.options());
-    if (!part.defined()) return at::zeros({n}, weight->options());
+    if (!want) return empty_tensor({0}, h.options());
+    if (!part.defined()) return empty_tensor({n}, weight->options()).zero_();
     const at::Tensor sum =
         acc == at::kDouble ? cpu::sum_partials<double>(part) : cpu::sum_partials<float>(part);
     return sum.to(weight->scalar_type());

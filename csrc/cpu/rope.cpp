@@ -17,8 +17,9 @@
 //
 // Precision: float32 / float16 / bfloat16 compute in float32 with float32 tables, float64 in
 // float64 with float64 tables (so gradcheck runs); y is rounded to x's dtype once.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <type_traits>
@@ -117,7 +118,7 @@ at::Tensor rope_fwd_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Te
   } else {
     TORCH_CHECK(P == L, "without positions the tables must have L = ", L, " rows, got ", P);
   }
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = empty_tensor(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (y.numel() == 0) return y;
   if (positions.has_value()) {
     const int64_t* p = positions->const_data_ptr<int64_t>();

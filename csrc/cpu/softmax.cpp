@@ -19,8 +19,8 @@
 // Precision: float32 arithmetic for float32 / float16 / bfloat16 (the result is rounded once),
 // float64 for float64. The mask may have any floating dtype (read in the accumulation type) or be
 // bool. Any row length, including 0.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -252,7 +252,7 @@ at::Tensor softmax_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>&
                            bool is_causal) {
   check_softmax_input(x, "x", /*allow_double=*/true);
   const cpu::MaskView mview = cpu::make_mask_view(mask, x.sizes(), x, "x");
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = empty_tensor(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = x.size(0) * x.size(1) * x.size(2), n = x.size(3);
   if (rows == 0 || n == 0) return y;
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(x.scalar_type(), "softmax_fwd_cpu", [&] {
@@ -268,7 +268,7 @@ at::Tensor softmax_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>&
 
 at::Tensor softmax_bwd_cpu(const at::Tensor& dy, const at::Tensor& y, double scale) {
   check_softmax_bwd(dy, y, /*allow_double=*/true);
-  at::Tensor dx = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dx = empty_tensor(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = y.size(0) * y.size(1) * y.size(2), n = y.size(3);
   if (rows == 0 || n == 0) return dx;
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(y.scalar_type(), "softmax_bwd_cpu", [&] {

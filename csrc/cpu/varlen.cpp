@@ -39,8 +39,9 @@
 // messages; these checks keep a direct call in bounds); block_table entries must be blocks or -1
 // and cache_seqlens within the blocks a row owns (ValueError naming them: the public function
 // leaves these values to this op).
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>  // at::AutoDispatchBelowADInplaceOrView
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -203,8 +204,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_fwd_cpu(
               ") are below the longest sequences (", s.max_q, ", ", s.max_k, ")");
   TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
   TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
-  auto out = at::empty({q.size(0), s.H, s.Dv}, q.options());
-  auto lse = at::empty({s.H, q.size(0)}, q.options().dtype(at::kFloat));
+  auto out = empty_tensor({q.size(0), s.H, s.Dv}, q.options());
+  auto lse = empty_tensor({s.H, q.size(0)}, q.options().dtype(at::kFloat));
   static auto dense = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("fastattn::attention_fwd", "")
                           .typed<std::tuple<at::Tensor, at::Tensor>(
@@ -236,9 +237,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
   TORCH_CHECK(left >= 0 && right >= 0, "left and right must be >= 0, got ", left, ", ", right);
   TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
   const at::Tensor dout_t = dout.to(q.scalar_type());
-  auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
+  auto dq = empty_tensor(q.sizes(), q.options());
+  auto dk = empty_tensor(k.sizes(), k.options());
+  auto dv = empty_tensor(v.sizes(), v.options());
   static auto dense = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("fastattn::attention_bwd", "")
                           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
@@ -545,8 +546,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_fwd_cpu(
                       owned * bs, " positions of the blocks row ", b, " of block_table owns (block_size ",
                       bs, ")");
   }
-  auto out = at::empty({B, q.size(1), q.size(2), v_cache.size(3)}, q.options());
-  auto lse = at::empty({B, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  auto out = empty_tensor({B, q.size(1), q.size(2), v_cache.size(3)}, q.options());
+  auto lse = empty_tensor({B, q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   FASTATTN_DISPATCH_FLOATING_HALF_BF16(q.scalar_type(), "paged_attention_fwd", [&] {
     paged_fwd_impl<scalar_t>(q, k_cache, v_cache, table, max_blocks, lens, out, lse, scale,

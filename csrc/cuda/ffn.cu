@@ -39,9 +39,6 @@
 #include "fastattn/cuda_helpers.cuh"  // first: it prepares the c10/cuda includes
 #include "fastattn/activation.h"
 
-#include <ATen/ops/addmm_ops.h>
-#include <ATen/ops/mm_ops.h>
-
 #include <array>
 #include <string>
 #include <tuple>
@@ -54,13 +51,6 @@ namespace cuda {
 namespace {
 
 using namespace ::fastattn::cuda_helpers;
-
-// at::mm(a, b) and at::addmm(bias, a, b): the same op calls through their entry points, whose
-// headers leave out the ~5 s that ATen/ops/mm.h and addmm.h cost every nvcc pass (common.h).
-at::Tensor mm(const at::Tensor& a, const at::Tensor& b) { return at::_ops::mm::call(a, b); }
-at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
-  return at::_ops::addmm::call(bias, a, b, /*beta=*/1, /*alpha=*/1);
-}
 
 constexpr float kSqrt1_2 = 0.70710678118654752f;      // 1 / sqrt(2)
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
@@ -383,7 +373,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cuda(const at::Tensor& x, const at::T
   const DeviceGuard guard(x.device());
   const cudaStream_t stream = current_stream(x.device().index());
 
-  at::Tensor pre = b1.has_value() ? addmm(*b1, x, w1.t()) : mm(x, w1.t());
+  at::Tensor pre = b1.has_value() ? addmm_call(*b1, x, w1.t()) : mm_call(x, w1.t());
   at::Tensor a = empty_tensor({M, F}, x.options());
   ActParams p{};
   p.pre = pre.data_ptr();
@@ -394,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_fwd_cuda(const at::Tensor& x, const at::T
   TORCH_CHECK(pre.dim() == 2 && (F1 <= 1 || pre.stride(1) == 1),
               "ffn_fwd: internal error, pre-activation is not row-major");
   launch_act(p, spec, /*backward=*/false, x.scalar_type(), x.element_size(), stream);
-  at::Tensor out = b2.has_value() ? addmm(*b2, a, w2.t()) : mm(a, w2.t());
+  at::Tensor out = b2.has_value() ? addmm_call(*b2, a, w2.t()) : mm_call(a, w2.t());
   return {out, pre};
 }
 
@@ -417,7 +407,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   const DeviceGuard guard(x.device());
   const cudaStream_t stream = current_stream(x.device().index());
 
-  at::Tensor da = mm(dout, w2);  // (M, F), row-major
+  at::Tensor da = mm_call(dout, w2);  // (M, F), row-major
   at::Tensor da_c = da.is_contiguous() ? da : da.contiguous();
   at::Tensor dpre = empty_tensor({M, F1}, x.options());
   at::Tensor a = empty_tensor({M, F}, x.options());
@@ -431,9 +421,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd_c
   p.pre_stride = pre.stride(0);
   launch_act(p, spec, /*backward=*/true, x.scalar_type(), x.element_size(), stream);
 
-  at::Tensor dx = mm(dpre, w1);
-  at::Tensor dw1 = mm(dpre.t(), x);
-  at::Tensor dw2 = mm(dout.t(), a);
+  at::Tensor dx = mm_call(dpre, w1);
+  at::Tensor dw1 = mm_call(dpre.t(), x);
+  at::Tensor dw2 = mm_call(dout.t(), a);
   at::Tensor db1 = output_mask[0] ? column_sum(dpre, stream) : empty_tensor({0}, w1.options());
   at::Tensor db2 = output_mask[1] ? column_sum(dout, stream) : empty_tensor({0}, w2.options());
   return {dx, dw1, db1, dw2, db2};

@@ -6,10 +6,11 @@
 #include "fastattn/cuda_helpers.cuh"
 #include "fastattn/cuda_mma.cuh"
 
-#include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
+
+#include "fastattn/common.h"
 
 namespace fastattn {
 namespace emulator_selftest {
@@ -155,7 +156,7 @@ at::Tensor run(const std::string& name, bool ok, const at::Tensor& a, const at::
               "a: a contiguous 16-bit tensor of at least 512 elements");
   TORCH_CHECK(b.is_contiguous() && b.numel() >= 128 && b.element_size() == 2,
               "b: a contiguous 16-bit tensor of at least 128 elements");
-  at::Tensor out = at::zeros({256}, a.options().dtype(at::kFloat));
+  at::Tensor out = fastattn::empty_tensor({256}, a.options().dtype(at::kFloat)).zero_();
   const Args p{reinterpret_cast<const uint16_t*>(a.const_data_ptr()),
                reinterpret_cast<const uint16_t*>(b.const_data_ptr()), out.data_ptr<float>(), ok};
   auto go = [&](void (*kernel)(Args), unsigned threads) {

@@ -4,7 +4,9 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm_ops.h>
 #include <ATen/ops/empty_ops.h>
+#include <ATen/ops/mm_ops.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
@@ -15,12 +17,22 @@ namespace fastattn {
 // that inline function calls (zeros: `.zero_()` on it). Its own header (ATen/ops/empty.h, like
 // zeros.h) brings ATen/Context.h and DeviceGuard.h with it: ~5 s of every nvcc front-end pass
 // over a .cu file and of every emulated (g++) translation unit (CUDA 13, torch 2.13,
-// 2026-11-29); ATen/ops/empty_ops.h declares only the entry point.
+// 2026-11-29); ATen/ops/empty_ops.h declares only the entry point. The CPU sources call ops the
+// same way rather than include ATen/ATen.h (every op's header: ~11 s of g++ a file).
 inline at::Tensor empty_tensor(at::IntArrayRef size, const at::TensorOptions& options) {
   return at::_ops::empty_memory_format::call(
       c10::fromIntArrayRefSlow(size), c10::optTypeMetaToScalarType(options.dtype_opt()),
       options.layout_opt(), options.device_opt(), options.pinned_memory_opt(),
       c10::impl::check_tensor_options_and_extract_memory_format(options, std::nullopt));
+}
+
+// at::mm(a, b) and at::addmm(bias, a, b) (beta = alpha = 1), through the same entry points, for
+// the same reason.
+inline at::Tensor mm_call(const at::Tensor& a, const at::Tensor& b) {
+  return at::_ops::mm::call(a, b);
+}
+inline at::Tensor addmm_call(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b) {
+  return at::_ops::addmm::call(bias, a, b, /*beta=*/1, /*alpha=*/1);
 }
 
 // A contiguous last dimension, any other strides (an empty tensor, as autograd may hand over, can

@@ -5,11 +5,14 @@
 // rows are in the accumulation type (float, double for float64). Host code (ATen), CPU only.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
+
+#include "fastattn/common.h"
 
 namespace fastattn {
 namespace cpu {
@@ -40,7 +43,7 @@ void for_row_blocks(int64_t m, int64_t blocks, const Fn& fn) {
 template <class A>
 at::Tensor sum_partials(const at::Tensor& part) {
   const int64_t blocks = part.size(0), n = part.size(1);
-  at::Tensor out = at::empty({n}, part.options());
+  at::Tensor out = empty_tensor({n}, part.options());
   const A* p = part.const_data_ptr<A>();
   A* o = out.data_ptr<A>();
   at::parallel_for(0, n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(blocks, 1)),
