@@ -633,8 +633,7 @@ def prebuild(python: str | None = None) -> int:
                          f"the device has {DEVICE_TORCH} on {DEVICE_PYTHON}")
     shutil.rmtree(PREBUILT, ignore_errors=True)
     digest, start = extension_digest(), time.monotonic()
-    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": _BUILD.env["TORCH_CUDA_ARCH_LIST"],
-           "MAX_JOBS": str(os.cpu_count() or 1)}
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": _BUILD.env["TORCH_CUDA_ARCH_LIST"]}
     env.pop("FASTATTN_NO_EXTENSION", None)
     env.pop("FASTATTN_NO_CUDA", None)
     # (torch takes CUDA_HOME from the nvcc on PATH when unset: here a wrapper in /usr/local/bin,

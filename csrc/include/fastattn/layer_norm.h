@@ -89,9 +89,10 @@ inline LayerNormFwdOutputs layer_norm_fwd_outputs(const at::Tensor& x, bool resi
                                                   bool rms) {
   const int64_t m = x.size(0), n = x.size(1);
   const auto f32 = x.options().dtype(at::kFloat);
-  LayerNormFwdOutputs o{empty_tensor({m, n}, x.options()),
-                        residual ? empty_tensor({m, n}, x.options()) : empty_tensor({0}, x.options()),
-                        rms ? empty_tensor({0}, f32) : empty_tensor({m}, f32), empty_tensor({m}, f32),
+  const auto opts = x.options();
+  LayerNormFwdOutputs o{empty_tensor({m, n}, opts),
+                        residual ? empty_tensor({m, n}, opts) : empty_tensor({0}, opts),
+                        empty_tensor({rms ? 0 : m}, f32), empty_tensor({m}, f32),
                         m == 0 || n == 0};
   if (m > 0 && n == 0) {
     o.mean.zero_();
